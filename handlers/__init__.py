@@ -1,0 +1,34 @@
+"""Model handlers. ``load_handler`` resolves a built-in name or ``module:Class``."""
+
+from __future__ import annotations
+
+import importlib
+
+from consumer.errors import HandlerLoadError
+from handlers.base import Handler, HandlerContext
+
+BUILTIN = {
+    "echo": "handlers.echo:EchoHandler",
+    "embedding": "handlers.embedding:EmbeddingHandler",
+    "text-classification": "handlers.classification:TextClassificationHandler",
+}
+
+__all__ = ["BUILTIN", "Handler", "HandlerContext", "load_handler"]
+
+
+def load_handler(spec: str) -> Handler:
+    """Instantiate a handler from a built-in name or ``package.module:ClassName`` (not yet set up)."""
+    target = BUILTIN.get(spec, spec)
+    module_name, sep, class_name = target.partition(":")
+    if not sep or not module_name or not class_name:
+        raise HandlerLoadError(
+            f"handler {spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor 'module:Class'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise HandlerLoadError(f"cannot import handler module {module_name!r}: {exc}") from exc
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Handler)):
+        raise HandlerLoadError(f"{target!r} is not a subclass of handlers.base.Handler")
+    return cls()

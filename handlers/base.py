@@ -1,0 +1,72 @@
+"""The handler contract: the only code a user writes to serve a model with kinfer.
+
+The service calls, for each micro-batch of requests:
+
+1. ``validate(payload)`` once per request, in a preprocess thread. Raise ``InvalidInput`` to reject
+   that request alone (it gets a ``bad_request`` reply; its neighbours go on).
+2. ``preprocess(items)`` with the validated items of the micro-batch, in a preprocess thread.
+3. ``inference(inputs)`` with what ``preprocess`` returned, in an inference thread. Inference threads
+   share this one handler instance, so they share one copy of the weights.
+4. ``postprocess(outputs, items)`` in a postprocess thread: exactly one JSON-serialisable result per
+   item, in order. Put an ``InvalidInput`` (or any ``RequestError``) in a slot to fail that item only.
+
+An exception from ``preprocess``/``inference``/``postprocess`` fails every request of that micro-batch
+with ``handler_error``; the service keeps running.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from consumer.protocol import PayloadFormat
+
+
+@dataclass(frozen=True)
+class HandlerContext:
+    """What ``setup`` gets: where to run and what to load."""
+
+    device: str
+    """A torch device string: ``cpu``, ``cuda`` or ``cuda:N`` (``auto`` was already resolved)."""
+    model: Path | None = None
+    """The local model directory from ``--model``; ``None`` means the handler's default."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Handler-specific settings from ``--handler-option key=value`` / ``handler_options:`` in YAML."""
+
+
+class Handler(ABC):
+    """Base class of every handler. Subclasses implement ``preprocess``, ``inference``, ``postprocess``."""
+
+    payload_format: ClassVar[PayloadFormat] = "json"
+    """``json``: request values are parsed with orjson; ``bytes``: handed over raw."""
+
+    name: ClassVar[str] = "custom"
+    """Shown in logs and the model-info metric."""
+
+    def setup(self, context: HandlerContext) -> None:  # noqa: B027 - optional hook
+        """Load weights and anything else shared by all threads. Called once before serving."""
+
+    def validate(self, payload: Any) -> Any:
+        """Check one request payload and return the item ``preprocess`` gets; raise ``InvalidInput``."""
+        return payload
+
+    @abstractmethod
+    def preprocess(self, items: list[Any]) -> Any:
+        """Turn validated items into model inputs (tokenise, decode, stack)."""
+
+    @abstractmethod
+    def inference(self, inputs: Any) -> Any:
+        """Run the model. Called concurrently from every inference thread."""
+
+    @abstractmethod
+    def postprocess(self, outputs: Any, items: list[Any]) -> list[Any]:
+        """Return one result per item, in order."""
+
+    def describe(self) -> dict[str, str]:
+        """Labels of the model-info metric and the start-up log line."""
+        return {"handler": self.name}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources. Called once after the last batch."""

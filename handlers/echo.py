@@ -1,0 +1,20 @@
+"""The echo handler: returns each request value unchanged. No model: for tests and overhead benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from handlers.base import Handler
+
+
+class EchoHandler(Handler):
+    name = "echo"
+
+    def preprocess(self, items: list[Any]) -> list[Any]:
+        return items
+
+    def inference(self, inputs: list[Any]) -> list[Any]:
+        return inputs
+
+    def postprocess(self, outputs: list[Any], items: list[Any]) -> list[Any]:
+        return outputs
