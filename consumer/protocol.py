@@ -228,13 +228,12 @@ def reply_value(request: Request) -> bytes:
     return request.reply_value
 
 
-def dead_letter_headers(request: Request) -> Headers:
+def dead_letter_headers(request: Request, error: RequestError) -> Headers:
     """The original headers plus where the record came from and why it could not be served."""
-    assert request.error is not None
     return [
         *request.headers,
-        (ERROR_CODE, str(request.error.code).encode()),
-        (ERROR_MESSAGE, request.error.message[:_MAX_ERROR_MESSAGE].encode()),
+        (ERROR_CODE, str(error.code).encode()),
+        (ERROR_MESSAGE, error.message[:_MAX_ERROR_MESSAGE].encode()),
         (SOURCE_TOPIC, request.topic.encode()),
         (SOURCE_PARTITION, str(request.partition).encode()),
         (SOURCE_OFFSET, str(request.offset).encode()),

@@ -1,0 +1,151 @@
+"""The publisher: produces each request's reply (and dead letter) and reports it answered.
+
+One thread owns an idempotent producer. A request counts as answered only when the broker has
+acknowledged every record produced for it (reply, plus a dead letter for records that were not
+valid requests); then ``on_answered`` hands it to the commit tracker. A reply that cannot be
+delivered (e.g. its reply topic does not exist) sends the request to the dead-letter topic instead;
+if that fails too the request is never marked answered, so its offset is never committed and the
+record is served again after a restart or rebalance (at-least-once).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from confluent_kafka import KafkaError, Producer
+
+from consumer.errors import ErrorCode, RequestError
+from consumer.protocol import Request, dead_letter_headers, reply_headers, reply_value
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+class Publisher:
+    def __init__(
+        self,
+        producer_config: dict[str, str],
+        dead_letter_topic: str,
+        on_answered: Callable[[Request], None],
+        queue_size: int,
+        producer_factory: Callable[[dict[str, Any]], Any] = Producer,
+    ) -> None:
+        self._dead_letter_topic = dead_letter_topic
+        self._on_answered = on_answered
+        self._inbox: queue.Queue[list[Request]] = queue.Queue(maxsize=queue_size)
+        self._producer = producer_factory({**producer_config, "error_cb": self._on_client_error})
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kinfer-publisher", daemon=True)
+        self.fatal_error: KafkaError | None = None
+        self.undeliverable = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, requests: list[Request]) -> None:
+        """Queue finished requests (results or errors) for publishing. Blocks while the queue is full."""
+        self._inbox.put(requests)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Publish everything queued, wait for the broker's acknowledgements, then stop."""
+        self._stopping.set()
+        self._thread.join(timeout_s)
+        remaining = self._producer.flush(timeout_s)
+        if remaining:
+            log.error("%d replies were still unacknowledged at shutdown; their offsets stay uncommitted",
+                      remaining)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal_error is None
+
+    def _run(self) -> None:
+        while True:
+            try:
+                requests = self._inbox.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self._stopping.is_set():
+                    return
+                self._producer.poll(0)
+                continue
+            now = time.monotonic()
+            for request in requests:
+                self._publish(request, now)
+            self._producer.poll(0)
+
+    def _publish(self, request: Request, now: float) -> None:
+        request.pending_deliveries = 2 if request.dead_letter else 1
+        self._produce(
+            request.reply_topic,
+            reply_value(request),
+            request,
+            reply_headers(request, now),
+            partial(self._reply_delivered, request),
+            request.reply_partition,
+        )
+        if request.dead_letter:
+            assert request.error is not None
+            self._send_dead_letter(request, request.error)
+
+    def _send_dead_letter(self, request: Request, error: RequestError) -> None:
+        self._produce(
+            self._dead_letter_topic,
+            request.value,
+            request,
+            dead_letter_headers(request, error),
+            partial(self._dead_letter_delivered, request),
+        )
+
+    def _produce(self, topic: str, value: bytes | None, request: Request, headers: list,
+                 on_delivery: Callable, partition: int | None = None) -> None:
+        kwargs = {} if partition is None else {"partition": partition}
+        while True:
+            try:
+                self._producer.produce(topic, value, request.key, headers=headers, on_delivery=on_delivery,
+                                       **kwargs)
+                return
+            except BufferError:
+                # librdkafka's local queue is full: serve delivery reports until there is room.
+                self._producer.poll(_POLL_S)
+
+    def _reply_delivered(self, request: Request, err: KafkaError | None, _msg: Any) -> None:
+        if err is None:
+            self._delivered(request)
+            return
+        log.error("reply for %s/%d/%d (correlation %s) to %s failed: %s; sending it to %s",
+                  request.topic, request.partition, request.offset, request.correlation_id,
+                  request.reply_topic, err, self._dead_letter_topic)
+        request.pending_deliveries += 1
+        self._send_dead_letter(
+            request,
+            RequestError(f"reply to {request.reply_topic} could not be delivered: {err}",
+                         ErrorCode.INTERNAL_ERROR),
+        )
+        self._delivered(request)
+
+    def _dead_letter_delivered(self, request: Request, err: KafkaError | None, _msg: Any) -> None:
+        if err is None:
+            self._delivered(request)
+            return
+        self.undeliverable += 1
+        log.critical("dead letter for %s/%d/%d failed: %s; the offset stays uncommitted",
+                     request.topic, request.partition, request.offset, err)
+
+    def _delivered(self, request: Request) -> None:
+        request.pending_deliveries -= 1
+        if request.pending_deliveries == 0:
+            self._on_answered(request)
+
+    def _on_client_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self.fatal_error = err
+            log.critical("producer fatal error: %s", err)
+        else:
+            log.warning("producer: %s", err)

@@ -1,0 +1,140 @@
+"""The service: wires source -> batcher -> stages -> publisher -> commit, and owns their lifecycle.
+
+Start order is the reverse of the data flow (publisher first, source last) so that nothing is
+consumed before there is somewhere to send it; stop order follows the data flow: stop consuming,
+drain in-flight work within the grace period, publish and flush, commit, close.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+from consumer.batcher import Batcher
+from consumer.commit import OffsetTracker
+from consumer.config import ServiceConfig
+from consumer.protocol import Request, RequestDecoder
+from consumer.publisher import Publisher
+from consumer.source import Source
+from consumer.stages import Pipeline
+from handlers import Handler, HandlerContext, load_handler
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(spec: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; anything else is taken as given."""
+    if spec != "auto":
+        return spec
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Service:
+    """``with Service(config) as service: service.wait_ready(30)`` runs kinfer in this process."""
+
+    def __init__(self, config: ServiceConfig, handler: Handler | None = None) -> None:
+        self.config = config
+        self.handler = handler if handler is not None else load_handler(config.handler)
+        self.tracker = OffsetTracker()
+        self._started = False
+        self._stopped = threading.Event()
+        self.publisher: Publisher | None = None
+        self.batcher: Batcher | None = None
+        self.pipeline: Pipeline | None = None
+        self.source: Source | None = None
+
+    def start(self) -> Service:
+        config = self.config
+        device = resolve_device(config.device)
+        self.handler.setup(HandlerContext(device=device, model=_path(config.model),
+                                          options=dict(config.handler_options)))
+        log.info("handler ready: %s", self.handler.describe())
+        self.publisher = Publisher(
+            config.producer_config(),
+            config.dead_letter_topic,
+            on_answered=self.tracker.finish,
+            # Everything in flight fits, so the poll thread never blocks on a full queue.
+            queue_size=config.max_in_flight + config.max_poll_records,
+        )
+        self.batcher = Batcher(config.batch_policy, config.max_batch_size, config.max_batch_delay_ms,
+                               reject=self._reply_now)
+        self.pipeline = Pipeline(
+            self.handler,
+            self.batcher.next_batch,
+            self.publisher.submit,
+            preprocess_threads=config.parallelism.preprocess,
+            inference_threads=config.parallelism.inference,
+            postprocess_threads=config.parallelism.postprocess,
+            max_batch_size=config.max_batch_size,
+            micro_batch_size=config.micro_batch_size,
+        )
+        decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format)
+        self.source = Source(config, decoder, self.tracker, self._route, self.batcher.discard)
+        self.publisher.start()
+        self.pipeline.start()
+        self.source.start()
+        self._started = True
+        log.info("serving %s -> %s (group %s, %s batching, max batch %d)", ",".join(config.request_topics),
+                 config.reply_topic, config.group_id, config.batch_policy, config.max_batch_size)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """True once the consumer has its partitions (handler loaded, threads running)."""
+        return self.source is not None and self.source.assigned.wait(timeout_s)
+
+    @property
+    def healthy(self) -> bool:
+        parts = (self.source, self.pipeline, self.publisher)
+        return self._started and all(part is not None for part in parts) and (
+            self.source.alive and self.pipeline.healthy and self.publisher.alive  # type: ignore[union-attr]
+        )
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop consuming, drain in-flight work within ``grace_s``, flush replies, commit, close."""
+        if not self._started or self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
+        deadline = time.monotonic() + grace_s
+        assert self.source and self.pipeline and self.publisher and self.batcher
+        self.source.drain()
+        if not self.tracker.wait_idle(grace_s):
+            log.warning("shutdown grace of %.1f s ran out with %d requests in flight; they stay "
+                        "uncommitted and are served again after restart", grace_s, self.tracker.in_flight)
+        self.batcher.close()
+        self.pipeline.stop(_remaining(deadline, 5.0))
+        self.publisher.stop(_remaining(deadline, 5.0))
+        self.source.close(_remaining(deadline, 10.0))
+        self.handler.close()
+        log.info("stopped")
+
+    def _route(self, request: Request) -> None:
+        if request.ok:
+            self.batcher.put(request)  # type: ignore[union-attr]
+        else:
+            self._reply_now(request)
+
+    def _reply_now(self, request: Request) -> None:
+        """Requests that will not be computed (bad record, expired deadline) go straight to replies."""
+        self.publisher.submit([request])  # type: ignore[union-attr]
+
+    def __enter__(self) -> Service:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _path(model: Path | None) -> Path | None:
+    return Path(model).expanduser() if model is not None else None
+
+
+def _remaining(deadline: float, floor_s: float) -> float:
+    """Time left of the grace period, but never less than ``floor_s`` for the final flush/commit."""
+    return max(floor_s, deadline - time.monotonic())

@@ -1,0 +1,234 @@
+"""The stages: preprocess -> inference -> postprocess thread pools over micro-batches.
+
+``Pipeline`` takes a batch from the batcher only when an inference slot is free (one slot per
+inference thread), splits it into micro-batches of ``micro_batch_size`` and sends them through
+three thread pools joined by bounded queues, so pre/post of one micro-batch overlap inference of
+another (TorchServe micro-batching). Each micro-batch carries its own requests, so results match
+their requests whatever order micro-batches finish in. Every outcome, result or error, is set on
+the request it belongs to; a failing handler call fails only the requests of that micro-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from consumer.errors import ErrorCode, RequestError
+from consumer.protocol import Request, encode_result
+from handlers.base import Handler
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+_POLL_S = 0.1
+
+
+class BatchTicket:
+    """Holds an inference slot until every micro-batch of its batch has left inference."""
+
+    def __init__(self, parts: int, release: Callable[[], None]) -> None:
+        self._parts = parts
+        self._release = release
+        self._lock = threading.Lock()
+
+    def part_done(self) -> None:
+        with self._lock:
+            self._parts -= 1
+            last = self._parts == 0
+        if last:
+            self._release()
+
+
+@dataclass(slots=True, eq=False)
+class MicroBatch:
+    requests: list[Request]
+    ticket: BatchTicket
+    active: list[Request] = field(default_factory=list)
+    """The requests still ok: the handler sees only these, in this order."""
+    items: list[Any] = field(default_factory=list)
+    inputs: Any = None
+    outputs: Any = None
+
+    def fail_active(self, error: RequestError) -> None:
+        for request in self.active:
+            request.fail(error)
+        self.active = []
+
+
+class StagePool:
+    """``threads`` workers running ``work`` on each micro-batch from ``inbox``, then ``forward``."""
+
+    def __init__(
+        self,
+        name: str,
+        work: Callable[[MicroBatch], None],
+        forward: Callable[[MicroBatch], None],
+        threads: int,
+        inbox_size: int,
+    ) -> None:
+        self.name = name
+        self.inbox: queue.Queue[Any] = queue.Queue(maxsize=inbox_size)
+        self._work = work
+        self._forward = forward
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kinfer-{name}-{i}", daemon=True) for i in range(threads)
+        ]
+        self.crashed: list[str] = []
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        """Let queued work finish, then end the threads (one sentinel each, behind the work)."""
+        for _ in self._threads:
+            self.inbox.put(_STOP)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def alive(self) -> bool:
+        return all(thread.is_alive() for thread in self._threads)
+
+    def _run(self) -> None:
+        try:
+            while (micro_batch := self.inbox.get()) is not _STOP:
+                self._process(micro_batch)
+        except BaseException as exc:  # a stage thread must never die silently
+            self.crashed.append(f"{threading.current_thread().name}: {exc!r}")
+            log.critical("stage thread %s died", threading.current_thread().name, exc_info=True)
+            raise
+
+    def _process(self, micro_batch: MicroBatch) -> None:
+        try:
+            if micro_batch.active:
+                self._work(micro_batch)
+        except Exception as exc:
+            log.warning(
+                "%s failed for a micro-batch of %d (first: %s/%d/%d): %r",
+                self.name, len(micro_batch.active), *_where(micro_batch), exc,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
+            micro_batch.fail_active(RequestError(f"{self.name} failed: {exc!r}", ErrorCode.HANDLER_ERROR))
+        self._forward(micro_batch)
+
+
+def _where(micro_batch: MicroBatch) -> tuple[str, int, int]:
+    first = micro_batch.active[0] if micro_batch.active else micro_batch.requests[0]
+    return first.topic, first.partition, first.offset
+
+
+class Pipeline:
+    """Pulls batches from ``next_batch`` while inference has room; hands finished requests to ``emit``."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        next_batch: Callable[[float], list[Request]],
+        emit: Callable[[list[Request]], None],
+        *,
+        preprocess_threads: int = 1,
+        inference_threads: int = 1,
+        postprocess_threads: int = 1,
+        max_batch_size: int,
+        micro_batch_size: int | None = None,
+    ) -> None:
+        self._handler = handler
+        self._next_batch = next_batch
+        self._emit = emit
+        self._micro = micro_batch_size or max_batch_size
+        self._slots = threading.Semaphore(inference_threads)
+        parts_per_batch = -(-max_batch_size // self._micro)
+        # A slot admits one batch, so at most this many micro-batches wait in any one stage queue.
+        depth = inference_threads * parts_per_batch + postprocess_threads
+        self._post = StagePool("postprocess", self._postprocess, self._emit_micro_batch,
+                               postprocess_threads, depth)
+        self._infer = StagePool("inference", self._inference, self._to_postprocess, inference_threads, depth)
+        self._pre = StagePool("preprocess", self._preprocess, self._infer.inbox.put, preprocess_threads, depth)
+        self._pools = (self._pre, self._infer, self._post)
+        self._stopping = threading.Event()
+        self._dispatcher = threading.Thread(target=self._dispatch, name="kinfer-dispatch", daemon=True)
+
+    def start(self) -> None:
+        for pool in self._pools:
+            pool.start()
+        self._dispatcher.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop taking batches; finish those already taken (within ``timeout_s``)."""
+        self._stopping.set()
+        deadline = time.monotonic() + timeout_s
+        self._dispatcher.join(timeout_s)
+        for pool in self._pools:
+            pool.stop(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def healthy(self) -> bool:
+        return self._dispatcher.is_alive() and all(pool.alive for pool in self._pools)
+
+    def _dispatch(self) -> None:
+        while not self._stopping.is_set():
+            if not self._slots.acquire(timeout=_POLL_S):
+                continue
+            try:
+                batch = self._next_batch(_POLL_S)
+            except Exception:
+                log.exception("batcher failed; retrying")
+                batch = []
+            if not batch:
+                self._slots.release()
+                continue
+            parts = [batch[i : i + self._micro] for i in range(0, len(batch), self._micro)]
+            ticket = BatchTicket(len(parts), self._slots.release)
+            for part in parts:
+                self._pre.inbox.put(MicroBatch(part, ticket, active=list(part)))
+
+    def _preprocess(self, micro_batch: MicroBatch) -> None:
+        validated = []
+        for request in micro_batch.active:
+            try:
+                micro_batch.items.append(self._handler.validate(request.payload))
+                validated.append(request)
+            except RequestError as exc:
+                request.fail(exc)
+            except Exception as exc:
+                request.fail(RequestError(f"validate failed: {exc!r}", ErrorCode.HANDLER_ERROR))
+        micro_batch.active = validated
+        if validated:
+            micro_batch.inputs = self._handler.preprocess(micro_batch.items)
+
+    def _inference(self, micro_batch: MicroBatch) -> None:
+        started = time.perf_counter()
+        micro_batch.outputs = self._handler.inference(micro_batch.inputs)
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        for request in micro_batch.active:
+            request.inference_ms = elapsed_ms
+        micro_batch.inputs = None
+
+    def _to_postprocess(self, micro_batch: MicroBatch) -> None:
+        self._post.inbox.put(micro_batch)
+        micro_batch.ticket.part_done()
+
+    def _postprocess(self, micro_batch: MicroBatch) -> None:
+        results = self._handler.postprocess(micro_batch.outputs, micro_batch.items)
+        micro_batch.outputs = None
+        if not isinstance(results, list) or len(results) != len(micro_batch.active):
+            count = len(results) if isinstance(results, list) else type(results).__name__
+            raise RequestError(f"postprocess returned {count} results for {len(micro_batch.active)} requests")
+        for request, result in zip(micro_batch.active, results, strict=True):
+            if isinstance(result, RequestError):
+                request.fail(result)
+                continue
+            try:
+                request.reply_value = encode_result(result)
+            except TypeError as exc:
+                request.fail(RequestError(f"result is not JSON-serialisable: {exc}", ErrorCode.HANDLER_ERROR))
+
+    def _emit_micro_batch(self, micro_batch: MicroBatch) -> None:
+        self._emit(micro_batch.requests)
