@@ -1,0 +1,129 @@
+import threading
+import time
+
+import pytest
+
+from consumer.batcher import Batcher
+from tests.fakes import make_request
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_batcher(policy="static", size=4, delay_ms=50.0, clock=None, epoch_ms=lambda: 0.0):
+    rejected = []
+    batcher = Batcher(policy, size, delay_ms, rejected.append, clock=clock or Clock(), epoch_ms=epoch_ms)
+    return batcher, rejected
+
+
+def test_static_waits_for_delay_counted_from_oldest_arrival():
+    clock = Clock()
+    batcher, _ = make_batcher("static", size=4, delay_ms=50, clock=clock)
+    assert batcher.wait_s(clock.now) is None
+    batcher.put(make_request(received=90.0))  # arrived 10 s before the batcher saw it? delay counts from arrival
+    batcher.put(make_request(received=100.0))
+    assert batcher.wait_s(clock.now) == 0.0  # the oldest has waited far more than 50 ms already
+
+    fresh, _ = make_batcher("static", size=4, delay_ms=50, clock=clock)
+    fresh.put(make_request(received=100.0))
+    fresh.put(make_request(received=100.02))
+    assert fresh.wait_s(100.0) == pytest.approx(0.05)
+    assert fresh.wait_s(100.03) == pytest.approx(0.02)
+    assert fresh.wait_s(100.05) == 0.0
+
+
+def test_static_dispatches_full_batch_at_once_and_caps_size():
+    clock = Clock()
+    batcher, _ = make_batcher("static", size=4, delay_ms=50, clock=clock)
+    for _ in range(6):
+        batcher.put(make_request(received=clock.now))
+    assert batcher.wait_s(clock.now) == 0.0
+    batch = batcher.next_batch(0.0)
+    assert len(batch) == 4 and all(r.batch_size == 4 and r.dispatched == clock.now for r in batch)
+    assert batcher.wait_s(clock.now) == pytest.approx(0.05)  # the remaining 2 wait for the delay
+
+
+def test_static_next_batch_times_out_with_empty_list_before_delay():
+    batcher, _ = make_batcher("static", size=4, delay_ms=10_000, clock=time.monotonic)
+    batcher.put(make_request(received=time.monotonic()))
+    started = time.monotonic()
+    assert batcher.next_batch(0.05) == []
+    assert 0.04 <= time.monotonic() - started < 1.0
+
+
+def test_static_real_clock_sends_partial_batch_when_delay_runs_out():
+    batcher, _ = make_batcher("static", size=8, delay_ms=60, clock=time.monotonic)
+    arrival = time.monotonic()
+    batcher.put(make_request(received=arrival))
+    batch = batcher.next_batch(2.0)
+    waited = time.monotonic() - arrival
+    assert len(batch) == 1
+    assert 0.055 <= waited < 0.5
+
+
+def test_greedy_never_holds_a_lone_request():
+    clock = Clock()
+    batcher, _ = make_batcher("greedy", size=32, delay_ms=1000, clock=clock)
+    batcher.put(make_request(received=clock.now))
+    assert batcher.wait_s(clock.now) == 0.0
+    assert len(batcher.next_batch(0.0)) == 1
+
+
+def test_greedy_takes_everything_waiting_up_to_max():
+    clock = Clock()
+    batcher, _ = make_batcher("greedy", size=5, clock=clock)
+    for _ in range(7):
+        batcher.put(make_request(received=clock.now))
+    assert [len(batcher.next_batch(0.0)) for _ in range(2)] == [5, 2]
+
+
+def test_expired_requests_are_rejected_not_batched():
+    batcher, rejected = make_batcher("greedy", epoch_ms=lambda: 1_000.0)
+    batcher.put(make_request(deadline_ms=999))  # already expired on arrival
+    live = make_request(deadline_ms=5_000)
+    batcher.put(live)
+    assert [r.error.code for r in rejected] == ["deadline_exceeded"]
+    assert batcher.next_batch(0.0) == [live]
+
+
+def test_requests_expiring_while_queued_are_rejected_at_dispatch():
+    now_ms = [1_000.0]
+    batcher, rejected = make_batcher("greedy", epoch_ms=lambda: now_ms[0])
+    doomed, survivor = make_request(deadline_ms=1_500), make_request(deadline_ms=9_000)
+    batcher.put(doomed)
+    batcher.put(survivor)
+    now_ms[0] = 2_000.0
+    assert batcher.next_batch(0.0) == [survivor]
+    assert rejected == [doomed] and doomed.error.code == "deadline_exceeded"
+
+
+def test_discard_removes_only_revoked_partitions():
+    batcher, _ = make_batcher("greedy", size=10)
+    keep = [make_request(partition=0) for _ in range(3)]
+    drop = [make_request(partition=1) for _ in range(2)]
+    for request in [keep[0], drop[0], keep[1], drop[1], keep[2]]:
+        batcher.put(request)
+    assert batcher.discard([("requests", 1)]) == drop
+    assert batcher.next_batch(0.0) == keep
+
+
+def test_close_wakes_a_waiting_consumer():
+    batcher, _ = make_batcher("static", clock=time.monotonic)
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(batcher.next_batch(10.0)))
+    waiter.start()
+    time.sleep(0.05)
+    batcher.close()
+    waiter.join(2.0)
+    assert not waiter.is_alive() and result == [[]]
+
+
+@pytest.mark.parametrize("kwargs", [{"policy": "fifo"}, {"size": 0}])
+def test_invalid_arguments_fail_at_construction(kwargs):
+    with pytest.raises(ValueError):
+        make_batcher(**kwargs)

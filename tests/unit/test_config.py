@@ -1,0 +1,86 @@
+import pytest
+
+from consumer.cli import build_parser
+from consumer.config import ServiceConfig, load_config
+from consumer.errors import ConfigError
+
+
+def test_defaults_are_valid_and_low_latency():
+    config = ServiceConfig()
+    consumer = config.consumer_config()
+    assert consumer["enable.auto.commit"] == "false" and consumer["enable.auto.offset.store"] == "false"
+    assert int(consumer["fetch.wait.max.ms"]) <= 10
+    assert config.producer_config()["enable.idempotence"] == "true"
+
+
+def test_precedence_cli_over_env_over_yaml(tmp_path):
+    yaml_file = tmp_path / "kinfer.yaml"
+    yaml_file.write_text("max_batch_size: 8\nmax-batch-delay-ms: 7\ngroup_id: from-yaml\n"
+                         "micro_batch_size: 4\nparallelism: {preprocess: 2, inference: 1, postprocess: 2}\n")
+    env = {"KINFER_MAX_BATCH_SIZE": "16", "KINFER_GROUP_ID": "from-env"}
+    config = load_config({"group_id": "from-cli", "max_batch_size": None}, yaml_file, env)
+    assert config.group_id == "from-cli"
+    assert config.max_batch_size == 16
+    assert config.max_batch_delay_ms == 7
+    assert config.micro_batch_size == 4
+    assert (config.parallelism.preprocess, config.parallelism.inference, config.parallelism.postprocess) == (2, 1, 2)
+
+
+def test_cli_flags_follow_field_names_and_parse():
+    args = build_parser().parse_args([
+        "serve", "--request-topics", "a, b", "--max-batch-size", "8", "--kafka", "security.protocol=SASL_SSL",
+        "--kafka", "sasl.password=s3cret=x", "--handler-options", "top_k=3", "--parallelism",
+        "preprocess=2,inference=1,postprocess=2", "--embedded-broker",
+    ])
+    config = load_config({name: getattr(args, name) for name in ServiceConfig.model_fields}, environ={})
+    assert config.request_topics == ["a", "b"]
+    assert config.max_batch_size == 8 and config.embedded_broker is True
+    assert config.handler_options == {"top_k": 3}
+    assert config.consumer_config()["sasl.password"] == "s3cret=x"
+    assert "s3cret" not in repr(config)  # pass-through values are secrets
+
+
+def test_every_field_has_a_flag_and_description():
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for name, field in ServiceConfig.model_fields.items():
+        assert "--" + name.replace("_", "-") in help_text
+        assert field.description
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"micro_batch_size": 64, "max_batch_size": 32}, "micro_batch_size (64) must not exceed"),
+        ({"request_topics": "a,a"}, "distinct"),
+        ({"reply_topic": "kinfer-requests"}, "both a request topic and a reply"),
+        ({"batch_policy": "fifo"}, "batch_policy"),
+        ({"max_in_flight": 4, "max_batch_size": 8}, "max_in_flight (4) must be at least"),
+        ({"resume_in_flight": 100, "max_in_flight": 100}, "resume_in_flight must be below"),
+        ({"kafka": ["enable.auto.commit=true"]}, "kinfer commits offsets itself"),
+        ({"kafka": ["novalue"]}, "expected key=value"),
+        ({"parallelism": {"inference": 0}}, "parallelism.inference"),
+        ({"no_such_option": 1}, "no_such_option"),
+    ],
+)
+def test_bad_values_fail_with_a_message_naming_the_fix(values, message):
+    with pytest.raises(ConfigError, match="invalid configuration") as info:
+        load_config(values, environ={})
+    assert message in str(info.value)
+
+
+def test_env_bad_value_names_the_env_var():
+    with pytest.raises(ConfigError, match="KINFER_MAX_BATCH_SIZE"):
+        load_config(environ={"KINFER_MAX_BATCH_SIZE": "lots"})
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception, match="frozen"):
+        ServiceConfig().max_batch_size = 3
+
+
+def test_yaml_must_be_a_mapping(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(config_file=path, environ={})

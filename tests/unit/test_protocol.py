@@ -1,0 +1,95 @@
+import struct
+
+import orjson
+import pytest
+
+from consumer import protocol
+from consumer.errors import ErrorCode, RequestError
+from tests.fakes import FakeRecord
+
+DECODER = protocol.RequestDecoder("replies", max_request_bytes=100)
+
+
+def test_valid_request_reads_headers_and_payload():
+    record = FakeRecord(b'{"text": "hi"}', headers=[
+        (protocol.CORRELATION_ID, b"abc"), (protocol.REPLY_TO, b"my-replies"), (protocol.DEADLINE_MS, b"12345"),
+    ], topic="t", partition=2, offset=7)
+    request = DECODER.decode(record, received=1.0)
+    assert request.ok and request.payload == {"text": "hi"}
+    assert (request.correlation_id, request.reply_topic, request.deadline_ms) == ("abc", "my-replies", 12345)
+    assert (request.topic, request.partition, request.offset, request.key) == ("t", 2, 7, b"k")
+
+
+def test_missing_correlation_id_is_derived_from_position():
+    request = DECODER.decode(FakeRecord(b"1", topic="t", partition=2, offset=7))
+    assert request.correlation_id == "t/2/7" and request.reply_topic == "replies"
+
+
+def test_spring_headers():
+    spring_id = bytes(range(16))
+    request = DECODER.decode(FakeRecord(b"1", headers=[
+        (protocol.SPRING_CORRELATION_ID, spring_id), (protocol.SPRING_REPLY_TOPIC, b"spring-replies"),
+        (protocol.SPRING_REPLY_PARTITION, struct.pack(">i", 3)),
+    ]))
+    assert request.ok and request.reply_topic == "spring-replies" and request.reply_partition == 3
+    assert request.correlation_id == spring_id.hex()
+    headers = dict(protocol.reply_headers(request, now=0.0))
+    assert headers[protocol.SPRING_CORRELATION_ID] == spring_id
+
+
+@pytest.mark.parametrize(
+    ("value", "headers", "code"),
+    [
+        (b"{not json", None, ErrorCode.BAD_REQUEST),
+        (b"\xff\xfe", None, ErrorCode.BAD_REQUEST),
+        (b"", None, ErrorCode.BAD_REQUEST),
+        (None, None, ErrorCode.BAD_REQUEST),
+        (b"1" * 101, None, ErrorCode.PAYLOAD_TOO_LARGE),
+        (b"1", [(protocol.DEADLINE_MS, b"soon")], ErrorCode.BAD_REQUEST),
+        (b"1", [(protocol.CORRELATION_ID, b"\xff")], ErrorCode.BAD_REQUEST),
+        (b"1", [(protocol.REPLY_TO, b"bad topic!")], ErrorCode.BAD_REQUEST),
+        (b"1", [(protocol.SPRING_REPLY_PARTITION, b"\x01")], ErrorCode.BAD_REQUEST),
+    ],
+)
+def test_unreadable_records_become_dead_letters_with_a_code(value, headers, code):
+    request = DECODER.decode(FakeRecord(value, headers=headers))
+    assert not request.ok and request.dead_letter and request.error.code == code
+
+
+def test_bad_header_still_keeps_the_routing_of_good_ones():
+    request = DECODER.decode(FakeRecord(b"1", headers=[
+        (protocol.CORRELATION_ID, b"keep-me"), (protocol.REPLY_TO, b"mine"), (protocol.DEADLINE_MS, b"x"),
+    ]))
+    assert request.error.code == ErrorCode.BAD_REQUEST
+    assert (request.correlation_id, request.reply_topic) == ("keep-me", "mine")
+
+
+def test_bytes_handlers_get_raw_values():
+    decoder = protocol.RequestDecoder("replies", 100, payload_format="bytes")
+    assert decoder.decode(FakeRecord(b"\xff\x00")).payload == b"\xff\x00"
+
+
+def test_reply_encoding_and_headers():
+    request = DECODER.decode(FakeRecord(b"1", headers=[(protocol.CORRELATION_ID, b"c1")]))
+    request.reply_value = protocol.encode_result({"embedding": [0.5]})
+    request.received, request.dispatched, request.batch_size, request.inference_ms = 1.0, 1.5, 8, 12.5
+    headers = dict(protocol.reply_headers(request, now=2.0))
+    assert orjson.loads(protocol.reply_value(request)) == {"result": {"embedding": [0.5]}}
+    assert headers[protocol.STATUS] == b"ok" and headers[protocol.CORRELATION_ID] == b"c1"
+    assert float(headers[protocol.QUEUE_MS]) == 500.0 and headers[protocol.BATCH_SIZE] == b"8"
+    assert float(headers[protocol.SERVICE_MS]) == 1000.0 and float(headers[protocol.INFERENCE_MS]) == 12.5
+
+    request.error = RequestError("too late", ErrorCode.DEADLINE_EXCEEDED)
+    assert orjson.loads(protocol.reply_value(request)) == {
+        "error": {"code": "deadline_exceeded", "message": "too late"}}
+    assert dict(protocol.reply_headers(request, now=2.0))[protocol.ERROR_CODE] == b"deadline_exceeded"
+
+
+def test_dead_letter_headers_keep_originals_and_say_where_from():
+    request = DECODER.decode(FakeRecord(b"{", headers=[("x-trace", b"t1")], topic="t", partition=1, offset=9))
+    headers = protocol.dead_letter_headers(request, request.error)
+    assert ("x-trace", b"t1") in headers
+    as_dict = dict(headers)
+    assert as_dict[protocol.ERROR_CODE] == b"bad_request"
+    assert (as_dict[protocol.SOURCE_TOPIC], as_dict[protocol.SOURCE_PARTITION], as_dict[protocol.SOURCE_OFFSET]) == (
+        b"t", b"1", b"9")

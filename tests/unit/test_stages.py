@@ -1,0 +1,166 @@
+import math
+import queue
+import threading
+import time
+
+import pytest
+
+from consumer.errors import InvalidInput, RequestError
+from consumer.stages import Pipeline
+from handlers.base import Handler
+from tests.fakes import make_request
+
+
+class SquareHandler(Handler):
+    """Squares numbers. Payload {"x": n}; magic values trigger the failure modes under test."""
+
+    def __init__(self, infer_delay=None):
+        self.infer_delay = infer_delay or (lambda inputs: 0.0)
+        self.concurrent = 0
+        self.max_concurrent = 0
+        self._lock = threading.Lock()
+
+    def validate(self, payload):
+        if not isinstance(payload, dict) or not isinstance(payload.get("x"), int):
+            raise InvalidInput("x must be an integer")
+        return payload["x"]
+
+    def preprocess(self, items):
+        return list(items)
+
+    def inference(self, inputs):
+        with self._lock:
+            self.concurrent += 1
+            self.max_concurrent = max(self.max_concurrent, self.concurrent)
+        try:
+            time.sleep(self.infer_delay(inputs))
+            if -1 in inputs:
+                raise RuntimeError("model exploded")
+            return [x * x for x in inputs]
+        finally:
+            with self._lock:
+                self.concurrent -= 1
+
+    def postprocess(self, outputs, items):
+        if -2 in items:
+            return outputs[:-1]  # one output short
+        results = []
+        for item, out in zip(items, outputs, strict=True):
+            if item == -3:
+                results.append(InvalidInput("negative three is not allowed"))
+            elif item == -4:
+                results.append({"y": object()})  # not JSON-serialisable
+            elif item == -5:
+                results.append({"y": math.nan})
+            else:
+                results.append({"y": out})
+        return results
+
+
+def run_pipeline(handler, batches, *, micro=None, threads=(1, 1, 1), max_batch_size=64):
+    pending = queue.Queue()
+    for batch in batches:
+        pending.put(batch)
+    emitted, done = [], threading.Event()
+    total = sum(len(b) for b in batches)
+
+    def next_batch(timeout_s):
+        try:
+            return pending.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+
+    def emit(requests):
+        emitted.extend(requests)
+        if len(emitted) >= total:
+            done.set()
+
+    pipeline = Pipeline(handler, next_batch, emit, preprocess_threads=threads[0], inference_threads=threads[1],
+                        postprocess_threads=threads[2], max_batch_size=max_batch_size, micro_batch_size=micro)
+    pipeline.start()
+    try:
+        assert done.wait(10), f"only {len(emitted)} of {total} requests came out"
+        assert pipeline.healthy
+    finally:
+        pipeline.stop(5)
+    return emitted
+
+
+def reply(request):
+    import orjson
+
+    return orjson.loads(request.reply_value)["result"] if request.ok else request.error.code
+
+
+def test_results_match_requests_when_micro_batches_finish_out_of_order():
+    # The first micro-batch is the slowest, so later ones overtake it in the inference pool.
+    handler = SquareHandler(infer_delay=lambda inputs: 0.2 if inputs[0] == 0 else 0.0)
+    batch = [make_request({"x": i}) for i in range(16)]
+    emitted = run_pipeline(handler, [batch], micro=4, threads=(2, 3, 2))
+    assert len(emitted) == 16 and {id(r) for r in emitted} == {id(r) for r in batch}
+    assert [r.payload["x"] for r in emitted[:4]] != [0, 1, 2, 3]  # really out of order
+    for request in batch:
+        assert reply(request) == {"y": request.payload["x"] ** 2}
+
+
+def test_torchserve_micro_batching_config_shares_one_handler():
+    handler = SquareHandler(infer_delay=lambda inputs: 0.01)
+    batches = [[make_request({"x": i + 10 * b}) for i in range(8)] for b in range(5)]
+    emitted = run_pipeline(handler, batches, micro=4, threads=(2, 1, 2))
+    assert len(emitted) == 40 and all(reply(r) == {"y": r.payload["x"] ** 2} for r in emitted)
+    assert handler.max_concurrent == 1  # one inference thread
+
+
+def test_one_inference_slot_per_thread():
+    handler = SquareHandler(infer_delay=lambda inputs: 0.02)
+    batches = [[make_request({"x": i})] for i in range(12)]
+    run_pipeline(handler, batches, threads=(1, 2, 1))
+    assert handler.max_concurrent == 2
+
+
+def test_bad_items_fail_alone_and_neighbours_succeed():
+    payloads = [{"x": 1}, {"x": "one"}, "garbage", {"x": 3}, {"x": -3}, {"x": -4}, {"x": 4}]
+    batch = [make_request(p) for p in payloads]
+    run_pipeline(SquareHandler(), [batch])
+    assert [reply(r) for r in batch] == [
+        {"y": 1}, "bad_request", "bad_request", {"y": 9}, "bad_request", "handler_error", {"y": 16},
+    ]
+
+
+def test_nan_in_output_is_encoded_without_crashing():
+    batch = [make_request({"x": -5})]
+    run_pipeline(SquareHandler(), [batch])
+    assert batch[0].ok and reply(batch[0]) == {"y": None}
+
+
+def test_exception_fails_only_its_micro_batch_and_pipeline_keeps_running():
+    poisoned = [make_request({"x": v}) for v in (1, -1, 2, 3)]
+    healthy = [make_request({"x": v}) for v in (5, 6, 7, 8)]
+    later = [make_request({"x": 9})]
+    run_pipeline(SquareHandler(), [poisoned + healthy, later], micro=4)
+    assert {r.error.code for r in poisoned} == {"handler_error"}
+    assert "model exploded" in poisoned[0].error.message
+    assert [reply(r) for r in healthy] == [{"y": 25}, {"y": 36}, {"y": 49}, {"y": 64}]
+    assert reply(later[0]) == {"y": 81}
+
+
+def test_wrong_number_of_outputs_fails_every_request_of_the_micro_batch():
+    batch = [make_request({"x": v}) for v in (1, 2, -2)]
+    run_pipeline(SquareHandler(), [batch])
+    assert all(r.error.code == "handler_error" for r in batch)
+    assert "2 results for 3 requests" in batch[0].error.message
+
+
+def test_already_failed_requests_pass_through_untouched():
+    failed = make_request({"x": 1})
+    failed.fail(RequestError("expired", "deadline_exceeded"))
+    ok = make_request({"x": 2})
+    run_pipeline(SquareHandler(), [[failed, ok]])
+    assert failed.error.code == "deadline_exceeded" and reply(ok) == {"y": 4}
+
+
+@pytest.mark.parametrize("micro", [None, 1, 3])
+def test_every_request_comes_out_exactly_once(micro):
+    batches = [[make_request({"x": i}) for i in range(n)] for n in (1, 7, 16, 5)]
+    emitted = run_pipeline(SquareHandler(), batches, micro=micro, threads=(2, 2, 2), max_batch_size=16)
+    assert sorted(id(r) for r in emitted) == sorted(id(r) for b in batches for r in b)
