@@ -84,3 +84,11 @@ def test_yaml_must_be_a_mapping(tmp_path):
     path.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(config_file=path, environ={})
+
+
+def test_every_option_is_documented():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    for name in ServiceConfig.model_fields:
+        assert f"`--{name.replace('_', '-')}`" in doc and f"KINFER_{name.upper()}" in doc
