@@ -61,6 +61,9 @@ class Publisher:
         if remaining:
             log.error("%d replies were still unacknowledged at shutdown; their offsets stay uncommitted",
                       remaining)
+        # The producer holds our callbacks (a reference cycle): drop it now so librdkafka's threads
+        # and connections end with the service, not at some later garbage collection.
+        self._producer = None
 
     @property
     def alive(self) -> bool:

