@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,42 +18,56 @@ from tests.integration.kafka_io import committed, produce, read
 pytestmark = pytest.mark.integration
 
 
+class ServeProcess:
+    """``kinfer serve`` in a child process whose stderr is collected line by line."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "consumer.cli", "serve", *args],
+                                        env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.assigned = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.process.stderr:
+            self.lines.append(line)
+            if "assigned" in line:
+                self.assigned.set()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def terminate_and_wait(self, timeout_s: float = 60) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout_s)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
 def test_serve_process_answers_and_exits_zero_on_sigterm(broker, unique_id, tmp_path):
     topics = broker.topics(requests=2, replies=1, dead=1)
     group = f"cli-{unique_id}"
     config_file = tmp_path / "kinfer.yaml"
     config_file.write_text(f"reply_topic: {topics['replies']}\nmax_batch_size: 8\nkafka:\n"
                            + "".join(f"  {k}: '{v}'\n" for k, v in TEST_CONSUMER_PROPERTIES.items()))
-    env = {**os.environ, "KINFER_BOOTSTRAP_SERVERS": broker.bootstrap_servers,
-           "KINFER_DEAD_LETTER_TOPIC": topics["dead"], "KINFER_HANDLER": "echo"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "consumer.cli", "serve", "--config", str(config_file),
-         "--request-topics", topics["requests"], "--group-id", group],
-        env=env, stderr=subprocess.PIPE, text=True,
-    )
-    lines: list[str] = []
-    assigned = threading.Event()
-
-    def pump() -> None:
-        for line in process.stderr:
-            lines.append(line)
-            if "assigned" in line:
-                assigned.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    env = {"KINFER_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "KINFER_DEAD_LETTER_TOPIC": topics["dead"],
+           "KINFER_HANDLER": "echo"}
+    serve = ServeProcess(["--config", str(config_file), "--request-topics", topics["requests"], "--group-id", group],
+                         env)
     try:
-        assert assigned.wait(60), "".join(lines)
+        assert serve.assigned.wait(60), serve.log
         produced = produce(broker.bootstrap_servers, topics["requests"],
                            [(None, orjson.dumps(i), []) for i in range(100)])
         replies = read(broker.bootstrap_servers, topics["replies"], 100)
         assert sorted(orjson.loads(m.value())["result"] for m in replies) == list(range(100))
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(60) == 0, "".join(lines)
+        assert serve.terminate_and_wait() == 0, serve.log
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert any("received SIGTERM" in line for line in lines)
+        serve.kill()
+    assert "received SIGTERM" in serve.log
     assert committed(broker.bootstrap_servers, group, list(produced.ends)) == dict(produced.ends)
 
 
@@ -63,3 +78,16 @@ def test_serve_rejects_bad_configuration_with_exit_code_2():
     )
     assert result.returncode == 2
     assert "--max-batch-size" in result.stderr and "--micro-batch-size" in result.stderr
+
+
+def test_serve_with_embedded_broker_on_defaults():
+    serve = ServeProcess(["--embedded-broker", "--handler", "echo", "--kafka", "session.timeout.ms=6000"])
+    try:
+        assert serve.assigned.wait(60), serve.log
+        bootstrap = re.search(r"embedded broker: --bootstrap-servers (\S+)", serve.log).group(1)
+        produce(bootstrap, "kinfer-requests", [(b"k", b'{"hello": "world"}', [])])
+        (reply,) = read(bootstrap, "kinfer-replies", 1)
+        assert orjson.loads(reply.value()) == {"result": {"hello": "world"}} and reply.key() == b"k"
+        assert serve.terminate_and_wait() == 0, serve.log
+    finally:
+        serve.kill()
