@@ -20,6 +20,7 @@ from typing import Any
 
 from consumer.config import ENV_PREFIX, ServiceConfig, load_config
 from consumer.errors import KinferError
+from consumer.logs import setup_logging
 
 log = logging.getLogger("kinfer")
 
@@ -99,10 +100,6 @@ def _config_from_args(args: argparse.Namespace) -> ServiceConfig:
     return load_config(cli, args.config)
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
-
-
 def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
 
@@ -120,7 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from consumer.service import Service
 
     config = _config_from_args(args)
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format)
     stop = _stop_on_signals()
     with ExitStack() as stack:
         if config.embedded_broker:

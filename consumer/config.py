@@ -31,6 +31,8 @@ _CONSUMER_DEFAULTS = {
     # a low value keeps latency low everywhere at the cost of a few more idle fetches.
     "fetch.wait.max.ms": "10",
     "fetch.queue.backoff.ms": "10",
+    # Statistics tell /readyz whether a broker connection is up, without extra broker requests.
+    "statistics.interval.ms": "5000",
 }
 _PRODUCER_DEFAULTS = {
     "enable.idempotence": "true",
@@ -142,6 +144,13 @@ class ServiceConfig(BaseModel):
 
     # --- Operation
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text, or json: one object per line with topic/partition/offset/correlation_id."
+    )
+    metrics_host: str = Field("0.0.0.0", description="Bind address of /metrics, /healthz and /readyz.")
+    metrics_port: int = Field(
+        9400, ge=-1, le=65535, description="Port of /metrics, /healthz, /readyz (0: any free port; -1: off)."
+    )
 
     _split = field_validator("request_topics", mode="before")(_split_csv)
     _pairs = field_validator("kafka", "kafka_consumer", "kafka_producer", "handler_options", mode="before")(

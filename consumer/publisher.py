@@ -21,6 +21,8 @@ from typing import Any
 from confluent_kafka import KafkaError, Producer
 
 from consumer.errors import ErrorCode, RequestError
+from consumer.logs import about
+from consumer.metrics import Metrics
 from consumer.protocol import Request, dead_letter_headers, reply_headers, reply_value
 
 log = logging.getLogger(__name__)
@@ -35,8 +37,10 @@ class Publisher:
         dead_letter_topic: str,
         on_answered: Callable[[Request], None],
         queue_size: int,
+        metrics: Metrics,
         producer_factory: Callable[[dict[str, Any]], Any] = Producer,
     ) -> None:
+        self._metrics = metrics
         self._dead_letter_topic = dead_letter_topic
         self._on_answered = on_answered
         self._inbox: queue.Queue[list[Request]] = queue.Queue(maxsize=queue_size)
@@ -44,7 +48,6 @@ class Publisher:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kinfer-publisher", daemon=True)
         self.fatal_error: KafkaError | None = None
-        self.undeliverable = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -84,6 +87,7 @@ class Publisher:
             self._producer.poll(0)
 
     def _publish(self, request: Request, now: float) -> None:
+        self._observe(request, now)
         request.pending_deliveries = 2 if request.dead_letter else 1
         self._produce(
             request.reply_topic,
@@ -96,6 +100,14 @@ class Publisher:
         if request.dead_letter:
             assert request.error is not None
             self._send_dead_letter(request, request.error)
+
+    def _observe(self, request: Request, now: float) -> None:
+        metrics = self._metrics
+        outcome = "ok" if request.error is None else str(request.error.code)
+        metrics.requests.labels(request.topic, outcome).inc()
+        metrics.service_seconds.labels(request.topic).observe(now - request.received)
+        if request.dispatched is not None:
+            metrics.queue_wait.labels(request.topic).observe(request.dispatched - request.received)
 
     def _send_dead_letter(self, request: Request, error: RequestError) -> None:
         self._produce(
@@ -120,11 +132,12 @@ class Publisher:
 
     def _reply_delivered(self, request: Request, err: KafkaError | None, _msg: Any) -> None:
         if err is None:
+            self._metrics.replies.labels("ok" if request.ok else "error").inc()
             self._delivered(request)
             return
-        log.error("reply for %s/%d/%d (correlation %s) to %s failed: %s; sending it to %s",
-                  request.topic, request.partition, request.offset, request.correlation_id,
-                  request.reply_topic, err, self._dead_letter_topic)
+        self._metrics.delivery_failures.labels("reply").inc()
+        log.error("reply to %s failed: %s; sending the request to %s", request.reply_topic, err,
+                  self._dead_letter_topic, extra=about(request))
         request.pending_deliveries += 1
         self._send_dead_letter(
             request,
@@ -135,11 +148,11 @@ class Publisher:
 
     def _dead_letter_delivered(self, request: Request, err: KafkaError | None, _msg: Any) -> None:
         if err is None:
+            self._metrics.dead_letters.inc()
             self._delivered(request)
             return
-        self.undeliverable += 1
-        log.critical("dead letter for %s/%d/%d failed: %s; the offset stays uncommitted",
-                     request.topic, request.partition, request.offset, err)
+        self._metrics.delivery_failures.labels("dead_letter").inc()
+        log.critical("dead letter failed: %s; the offset stays uncommitted", err, extra=about(request))
 
     def _delivered(self, request: Request) -> None:
         request.pending_deliveries -= 1

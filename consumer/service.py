@@ -16,6 +16,8 @@ from types import TracebackType
 from consumer.batcher import Batcher
 from consumer.commit import OffsetTracker
 from consumer.config import ServiceConfig
+from consumer.endpoints import Endpoints
+from consumer.metrics import Metrics
 from consumer.protocol import Request, RequestDecoder
 from consumer.publisher import Publisher
 from consumer.source import Source
@@ -41,6 +43,9 @@ class Service:
         self.config = config
         self.handler = handler if handler is not None else load_handler(config.handler)
         self.tracker = OffsetTracker()
+        self.metrics = Metrics()
+        self.endpoints: Endpoints | None = None
+        self._model_ready = False
         self._started = False
         self._stopped = threading.Event()
         self.publisher: Publisher | None = None
@@ -50,9 +55,16 @@ class Service:
 
     def start(self) -> Service:
         config = self.config
+        if config.metrics_port >= 0:
+            # Up before the model loads, so probes see "alive, not ready" during a slow start.
+            self.endpoints = Endpoints(config.metrics_host, config.metrics_port, self.metrics.registry,
+                                       self.health_checks, self.readiness_checks).start()
         device = resolve_device(config.device)
         self.handler.setup(HandlerContext(device=device, model=_path(config.model),
                                           options=dict(config.handler_options)))
+        self.handler.warm_up()
+        self._model_ready = True
+        self.metrics.model.info(self.handler.describe())
         log.info("handler ready: %s", self.handler.describe())
         self.publisher = Publisher(
             config.producer_config(),
@@ -60,6 +72,7 @@ class Service:
             on_answered=self.tracker.finish,
             # Everything in flight fits, so the poll thread never blocks on a full queue.
             queue_size=config.max_in_flight + config.max_poll_records,
+            metrics=self.metrics,
         )
         self.batcher = Batcher(config.batch_policy, config.max_batch_size, config.max_batch_delay_ms,
                                reject=self._reply_now)
@@ -72,9 +85,10 @@ class Service:
             postprocess_threads=config.parallelism.postprocess,
             max_batch_size=config.max_batch_size,
             micro_batch_size=config.micro_batch_size,
+            metrics=self.metrics,
         )
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format)
-        self.source = Source(config, decoder, self.tracker, self._route, self.batcher.discard)
+        self.source = Source(config, decoder, self.tracker, self._route, self.batcher.discard, self.metrics)
         self.publisher.start()
         self.pipeline.start()
         self.source.start()
@@ -87,12 +101,29 @@ class Service:
         """True once the consumer has its partitions (handler loaded, threads running)."""
         return self.source is not None and self.source.assigned.wait(timeout_s)
 
+    def health_checks(self) -> dict[str, bool]:
+        """What ``/healthz`` reports: every thread alive (before start: only that the process is)."""
+        if not self._started:
+            return {"process": True}
+        return {
+            "source": self.source.alive,  # type: ignore[union-attr]
+            "stages": self.pipeline.healthy,  # type: ignore[union-attr]
+            "publisher": self.publisher.alive,  # type: ignore[union-attr]
+        }
+
+    def readiness_checks(self) -> dict[str, bool]:
+        """What ``/readyz`` reports."""
+        source = self.source
+        return {
+            "model_loaded": self._model_ready,
+            "partitions_assigned": source is not None and source.assigned.is_set(),
+            "broker_reachable": source is not None and source.broker_up,
+            "healthy": self.healthy,
+        }
+
     @property
     def healthy(self) -> bool:
-        parts = (self.source, self.pipeline, self.publisher)
-        return self._started and all(part is not None for part in parts) and (
-            self.source.alive and self.pipeline.healthy and self.publisher.alive  # type: ignore[union-attr]
-        )
+        return self._started and all(self.health_checks().values())
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop consuming, drain in-flight work within ``grace_s``, flush replies, commit, close."""
@@ -111,6 +142,8 @@ class Service:
         self.publisher.stop(_remaining(deadline, 5.0))
         self.source.close(_remaining(deadline, 10.0))
         self.handler.close()
+        if self.endpoints is not None:
+            self.endpoints.close()
         log.info("stopped")
 
     def _route(self, request: Request) -> None:

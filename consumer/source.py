@@ -9,16 +9,19 @@ model, a slow model can never make the consumer miss ``max.poll.interval.ms``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from consumer.commit import OffsetTracker, PartitionKey
 from consumer.config import ServiceConfig
+from consumer.metrics import Metrics
 from consumer.protocol import Request, RequestDecoder
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,7 @@ class Source:
         tracker: OffsetTracker,
         route: Callable[[Request], None],
         discard: Callable[[list[PartitionKey]], list[Request]],
+        metrics: Metrics,
         consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
     ) -> None:
         """``route`` takes every decoded request; ``discard`` removes the not-yet-started requests of
@@ -44,12 +48,17 @@ class Source:
         self._tracker = tracker
         self._route = route
         self._discard = discard
-        self._consumer = consumer_factory({**config.consumer_config(), "error_cb": self._on_client_error})
+        self._metrics = metrics
+        self._consumer = consumer_factory(
+            {**config.consumer_config(), "error_cb": self._on_client_error, "stats_cb": self._on_stats}
+        )
         self._thread = threading.Thread(target=self._run, name="kinfer-source", daemon=True)
         self._draining = threading.Event()
         self._closing = threading.Event()
         self.assigned = threading.Event()
         self.paused = False
+        self.broker_up = False
+        """Some broker connection is up (librdkafka statistics; also set by a successful assignment)."""
         self._next_commit = 0.0
 
     def start(self) -> None:
@@ -103,16 +112,21 @@ class Source:
         self._flow_control()
         if time.monotonic() >= self._next_commit:
             self._commit()
+            self._update_lag()
 
     def _flow_control(self) -> None:
         in_flight = self._tracker.in_flight
+        self._metrics.in_flight.set(in_flight)
         if not self.paused and (self._draining.is_set() or in_flight >= self._config.max_in_flight):
-            self._consumer.pause(self._consumer.assignment())
+            assignment = self._consumer.assignment()
+            self._consumer.pause(assignment)
             self.paused = True
+            self._metrics.paused_partitions.set(len(assignment))
             log.debug("paused: %d in flight", in_flight)
         elif self.paused and not self._draining.is_set() and in_flight <= self._config.resume_threshold:
             self._consumer.resume(self._consumer.assignment())
             self.paused = False
+            self._metrics.paused_partitions.set(0)
             log.debug("resumed: %d in flight", in_flight)
 
     def _commit(self, partitions: list[PartitionKey] | None = None) -> None:
@@ -124,9 +138,20 @@ class Source:
             self._consumer.commit(offsets=offsets, asynchronous=False)
         except KafkaException as exc:
             # Nothing is lost: the same offsets (or later ones) are committed next time.
+            self._metrics.commit_failures.inc()
             log.warning("commit of %d partitions failed: %s", len(offsets), exc)
             return
+        self._metrics.commits.inc()
         self._tracker.committed(offsets)
+
+    def _update_lag(self) -> None:
+        """Lag from the consumer's own state: no extra broker request (watermarks come with fetches)."""
+        for tp in self._consumer.position(self._consumer.assignment()):
+            if tp.offset < 0:
+                continue  # nothing consumed from it yet: position unknown
+            _low, high = self._consumer.get_watermark_offsets(tp, cached=True)
+            if high >= 0:
+                self._metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(0, high - tp.offset))
 
     def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         keys = [(tp.topic, tp.partition) for tp in partitions]
@@ -134,6 +159,9 @@ class Source:
         consumer.assign(partitions)
         if self.paused:
             consumer.pause(partitions)
+            self._metrics.paused_partitions.set(len(partitions))
+        self._metrics.assigned_partitions.set(len(partitions))
+        self.broker_up = True
         log.info("assigned %s", _names(keys))
         self.assigned.set()
 
@@ -146,8 +174,7 @@ class Source:
             log.warning("revoke: in-flight requests of %s not answered within %d ms; "
                         "the next owner may answer them again", _names(keys), self._config.rebalance_drain_ms)
         self._commit(keys)
-        self._tracker.revoke(keys)
-        self.assigned.clear()
+        self._forget(keys)
         log.info("revoked %s", _names(keys))
 
     def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
@@ -155,9 +182,17 @@ class Source:
         committing would be wrong. Drop everything that has not started."""
         keys = [(tp.topic, tp.partition) for tp in partitions]
         self._discard(keys)
+        self._forget(keys)
+        log.warning("lost %s", _names(keys))
+
+    def _forget(self, keys: list[PartitionKey]) -> None:
         self._tracker.revoke(keys)
         self.assigned.clear()
-        log.warning("lost %s", _names(keys))
+        self._metrics.assigned_partitions.set(0)
+        self._metrics.paused_partitions.set(0)
+        for topic, partition in keys:
+            with contextlib.suppress(KeyError):  # a partition never measured has no series
+                self._metrics.consumer_lag.remove(topic, str(partition))
 
     def _on_record_error(self, error: KafkaError) -> None:
         if error.code() == KafkaError._PARTITION_EOF:
@@ -165,7 +200,13 @@ class Source:
         log.error("consume error: %s", error)
 
     def _on_client_error(self, error: KafkaError) -> None:
+        if error.code() == KafkaError._ALL_BROKERS_DOWN:
+            self.broker_up = False
         log.log(logging.CRITICAL if error.fatal() else logging.WARNING, "consumer: %s", error)
+
+    def _on_stats(self, stats_json: str) -> None:
+        brokers = orjson.loads(stats_json).get("brokers", {})
+        self.broker_up = any(broker.get("state") == "UP" for broker in brokers.values())
 
 
 def _names(keys: list[PartitionKey]) -> str:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from consumer.errors import ErrorCode, RequestError
+from consumer.logs import about
+from consumer.metrics import Metrics
 from consumer.protocol import Request, encode_result
 from handlers.base import Handler
 
@@ -70,8 +72,10 @@ class StagePool:
         forward: Callable[[MicroBatch], None],
         threads: int,
         inbox_size: int,
+        metrics: Metrics,
     ) -> None:
         self.name = name
+        self._seconds = metrics.stage_seconds.labels(name)
         self.inbox: queue.Queue[Any] = queue.Queue(maxsize=inbox_size)
         self._work = work
         self._forward = forward
@@ -108,20 +112,14 @@ class StagePool:
     def _process(self, micro_batch: MicroBatch) -> None:
         try:
             if micro_batch.active:
+                started = time.perf_counter()
                 self._work(micro_batch)
+                self._seconds.observe(time.perf_counter() - started)
         except Exception as exc:
-            log.warning(
-                "%s failed for a micro-batch of %d (first: %s/%d/%d): %r",
-                self.name, len(micro_batch.active), *_where(micro_batch), exc,
-                exc_info=log.isEnabledFor(logging.DEBUG),
-            )
+            log.warning("%s failed for a micro-batch of %d requests: %r", self.name, len(micro_batch.active), exc,
+                        exc_info=log.isEnabledFor(logging.DEBUG), extra=about(micro_batch.requests[0]))
             micro_batch.fail_active(RequestError(f"{self.name} failed: {exc!r}", ErrorCode.HANDLER_ERROR))
         self._forward(micro_batch)
-
-
-def _where(micro_batch: MicroBatch) -> tuple[str, int, int]:
-    first = micro_batch.active[0] if micro_batch.active else micro_batch.requests[0]
-    return first.topic, first.partition, first.offset
 
 
 class Pipeline:
@@ -138,8 +136,10 @@ class Pipeline:
         postprocess_threads: int = 1,
         max_batch_size: int,
         micro_batch_size: int | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self._handler = handler
+        self._metrics = metrics = metrics or Metrics()
         self._next_batch = next_batch
         self._emit = emit
         self._micro = micro_batch_size or max_batch_size
@@ -148,9 +148,11 @@ class Pipeline:
         # A slot admits one batch, so at most this many micro-batches wait in any one stage queue.
         depth = inference_threads * parts_per_batch + postprocess_threads
         self._post = StagePool("postprocess", self._postprocess, self._emit_micro_batch,
-                               postprocess_threads, depth)
-        self._infer = StagePool("inference", self._inference, self._to_postprocess, inference_threads, depth)
-        self._pre = StagePool("preprocess", self._preprocess, self._infer.inbox.put, preprocess_threads, depth)
+                               postprocess_threads, depth, metrics)
+        self._infer = StagePool("inference", self._inference, self._to_postprocess, inference_threads, depth,
+                                metrics)
+        self._pre = StagePool("preprocess", self._preprocess, self._infer.inbox.put, preprocess_threads, depth,
+                              metrics)
         self._pools = (self._pre, self._infer, self._post)
         self._stopping = threading.Event()
         self._dispatcher = threading.Thread(target=self._dispatch, name="kinfer-dispatch", daemon=True)
@@ -184,6 +186,7 @@ class Pipeline:
             if not batch:
                 self._slots.release()
                 continue
+            self._metrics.batch_size.observe(len(batch))
             parts = [batch[i : i + self._micro] for i in range(0, len(batch), self._micro)]
             ticket = BatchTicket(len(parts), self._slots.release)
             for part in parts:
@@ -202,6 +205,10 @@ class Pipeline:
         micro_batch.active = validated
         if validated:
             micro_batch.inputs = self._handler.preprocess(micro_batch.items)
+            tokens = self._handler.token_counts(micro_batch.inputs)
+            if tokens is not None:
+                self._metrics.batch_real_tokens.inc(tokens[0])
+                self._metrics.batch_padded_tokens.observe(tokens[1])
 
     def _inference(self, micro_batch: MicroBatch) -> None:
         started = time.perf_counter()

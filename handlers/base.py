@@ -64,6 +64,13 @@ class Handler(ABC):
     def postprocess(self, outputs: Any, items: list[Any]) -> list[Any]:
         """Return one result per item, in order."""
 
+    def warm_up(self) -> None:  # noqa: B027 - optional hook
+        """Run one tiny batch after ``setup`` so the first request does not pay for lazy initialisation."""
+
+    def token_counts(self, inputs: Any) -> tuple[int, int] | None:
+        """(real, padded) tokens of one ``preprocess`` result, for the padding metrics; None if not text."""
+        return None
+
     def describe(self) -> dict[str, str]:
         """Labels of the model-info metric and the start-up log line."""
         return {"handler": self.name}

@@ -115,6 +115,13 @@ class TextHandler(Handler):
     def preprocess(self, items: list[str]) -> BatchEncoding:
         return self.tokenizer(items, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
 
+    def warm_up(self) -> None:
+        self.inference(self.preprocess(["warm up"]))
+
+    def token_counts(self, inputs: BatchEncoding) -> tuple[int, int]:
+        mask = inputs["attention_mask"]
+        return int(mask.sum()), mask.numel()
+
     def inference(self, inputs: BatchEncoding) -> torch.Tensor:
         inputs = inputs.to(self.device)
         with torch.inference_mode():

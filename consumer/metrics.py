@@ -1,0 +1,53 @@
+"""Prometheus metrics of one service instance (its own registry, so several can share a process).
+
+Every name starts with ``kinfer_``. Labels are bounded: topics come from the configuration, partitions
+from the current assignment (removed on revoke), outcomes from ``ErrorCode`` plus ``ok``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+# Seconds, from sub-millisecond echo round trips to multi-second model batches.
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kinfer_requests", "Requests answered, by request topic and outcome "
+                                "(ok or an error code).", ["topic", "outcome"], registry=r)
+        self.batch_size = Histogram("kinfer_batch_size", "Requests per dispatched batch.",
+                                    buckets=_SIZE_BUCKETS, registry=r)
+        self.batch_padded_tokens = Histogram("kinfer_batch_padded_tokens", "Tokens per micro-batch after "
+                                             "padding (longest x count), for handlers that report tokens.",
+                                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.batch_real_tokens = Counter("kinfer_batch_real_tokens", "Tokens before padding; "
+                                         "padded/real is the padding ratio.", registry=r)
+        self.queue_wait = Histogram("kinfer_queue_wait_seconds", "From receipt by the consumer to dispatch "
+                                    "in a batch.", ["topic"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.stage_seconds = Histogram("kinfer_stage_seconds", "Duration of one stage call for one "
+                                       "micro-batch.", ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.service_seconds = Histogram("kinfer_service_seconds", "From receipt by the consumer to the "
+                                         "reply handed to the producer.", ["topic"], buckets=_LATENCY_BUCKETS,
+                                         registry=r)
+        self.in_flight = Gauge("kinfer_in_flight", "Requests consumed and not yet answered.", registry=r)
+        self.paused_partitions = Gauge("kinfer_paused_partitions", "Assigned partitions paused by "
+                                       "backpressure or shutdown.", registry=r)
+        self.assigned_partitions = Gauge("kinfer_assigned_partitions", "Partitions assigned to this member.",
+                                         registry=r)
+        self.commits = Counter("kinfer_commits", "Offset commits that succeeded.", registry=r)
+        self.commit_failures = Counter("kinfer_commit_failures", "Offset commits that failed (retried "
+                                       "at the next commit).", registry=r)
+        self.replies = Counter("kinfer_replies", "Replies acknowledged by the broker, by reply status.",
+                               ["status"], registry=r)
+        self.delivery_failures = Counter("kinfer_delivery_failures", "Replies or dead letters the broker "
+                                         "refused, by kind.", ["kind"], registry=r)
+        self.dead_letters = Counter("kinfer_dead_letters", "Records written to the dead-letter topic.",
+                                    registry=r)
+        self.consumer_lag = Gauge("kinfer_consumer_lag", "High watermark minus the consumer's position, "
+                                  "per assigned partition.", ["topic", "partition"], registry=r)
+        self.model = Info("kinfer_model", "The handler being served.", registry=r)
