@@ -100,7 +100,7 @@ class Source:
             log.info("consumer closed")
 
     def _poll_once(self) -> None:
-        records = self._consumer.consume(self._config.max_poll_records, _POLL_S)
+        records = self._fetch()
         received = time.monotonic()
         for record in records:
             if record.error() is not None:
@@ -113,6 +113,19 @@ class Source:
         if time.monotonic() >= self._next_commit:
             self._commit()
             self._update_lag()
+
+    def _fetch(self) -> list[Any]:
+        """Whatever is ready, up to ``max_poll_records``, without waiting for a full set: ``consume(n, t)``
+        holds until n records or t seconds, which would add t to every request at low load. So: take
+        what is queued; if nothing is, wait for one record and then take what came with it."""
+        limit = self._config.max_poll_records
+        records = self._consumer.consume(limit, 0)
+        if records:
+            return records
+        first = self._consumer.poll(_POLL_S)
+        if first is None:
+            return []
+        return [first, *self._consumer.consume(limit - 1, 0)] if limit > 1 else [first]
 
     def _flow_control(self) -> None:
         in_flight = self._tracker.in_flight

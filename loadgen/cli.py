@@ -1,0 +1,155 @@
+"""``kinfer loadgen``: closed- or open-loop load, a concurrency sweep, a report, JSON and plots.
+
+The flag names and JSON keys are public (docs/loadgen.md); do not rename them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+
+from loadgen.client import KinferClient
+from loadgen.corpus import PROFILES, builtin_corpus, read_jsonl
+from loadgen.errors import ClientError
+from loadgen.live import ProgressView
+from loadgen.plot import plot_run, plot_sweep
+from loadgen.runner import LoadPlan, run_load, run_sweep
+from loadgen.tables import run_table, sweep_table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kinfer loadgen",
+        description="Send requests to kinfer through Kafka and measure replies.",
+        epilog="Closed loop: --concurrency C. Open loop: --rate R. Sweep: --sweep-concurrency 1,4,16,64.",
+    )
+    kafka = parser.add_argument_group("Kafka")
+    kafka.add_argument("--bootstrap-servers", default=os.environ.get("KINFER_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
+    kafka.add_argument("--request-topic", default="kinfer-requests")
+    kafka.add_argument("--reply-topic", default="kinfer-replies")
+    kafka.add_argument("--reply-partition", type=int, help="reply partition to read (default: a random one)")
+    kafka.add_argument("--kafka", action="append", default=[], metavar="KEY=VALUE",
+                       help="librdkafka property for the client's producer and consumer (repeatable)")
+    load = parser.add_argument_group("load")
+    load.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
+    load.add_argument("--rate", type=float, help="open loop: requests per second")
+    load.add_argument("--arrivals", choices=("poisson", "constant"), default="poisson",
+                      help="open loop inter-arrival times (default: poisson)")
+    load.add_argument("--sweep-concurrency", type=concurrency_list, metavar="C1,C2,...",
+                      help="one closed-loop run per concurrency, e.g. 1,4,16,64,256")
+    load.add_argument("--requests", type=int, help="measured requests per run")
+    load.add_argument("--duration", type=float, help="measured seconds per run (default: 10)")
+    load.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured load first (default: 1)")
+    load.add_argument("--timeout", type=float, default=10.0,
+                      help="seconds to wait for a reply before counting the request lost (default: 10)")
+    load.add_argument("--payloads", type=Path,
+                      help="JSON-lines file, one request value per line (default: built-in text corpus)")
+    load.add_argument("--corpus", choices=sorted(PROFILES), default="mixed",
+                      help="length mix of the built-in corpus: mixed (queries to long passages, default) "
+                           "or short (queries and sentences)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the corpus and Poisson arrivals")
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", type=Path, help="write the JSON report here")
+    output.add_argument("--plot", type=Path, help="write a PNG plot here")
+    output.add_argument("--label", default="kinfer", help="name of this run's line in sweep plots")
+    output.add_argument("--compare", type=Path, nargs="+", default=[], metavar="REPORT.json",
+                        help="sweep reports (--out of earlier sweeps) drawn beside this one in --plot")
+    output.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        plan = _plan(args)
+        kafka = dict(item.split("=", 1) for item in args.kafka if "=" in item)
+        if len(kafka) != len(args.kafka):
+            raise ValueError("--kafka takes KEY=VALUE")
+        payloads = read_jsonl(args.payloads) if args.payloads else builtin_corpus(args.corpus, seed=args.seed)
+        compare = [_read_sweep(path) for path in args.compare]
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    console = Console()
+    client = KinferClient(args.bootstrap_servers, args.request_topic, args.reply_topic,
+                          reply_partition=args.reply_partition, timeout_s=plan.timeout_s, kafka=kafka)
+    try:
+        with client:
+            execute(client, plan, payloads, console, sweep=args.sweep_concurrency, out=args.out,
+                    plot=args.plot, label=args.label, compare=compare, progress=not args.no_progress)
+    except ClientError as exc:
+        console.print(f"[red]kinfer loadgen: {exc}[/red]")
+        return 1
+    return 0
+
+
+def execute(client: KinferClient, plan: LoadPlan, payloads: Sequence[Any], console: Console, *,
+            sweep: Sequence[int] | None = None, out: Path | None = None, plot: Path | None = None,
+            label: str = "kinfer", compare: Sequence[tuple[str, list[dict[str, Any]]]] = (),
+            progress: bool = True) -> dict[str, Any]:
+    """Run the load (or the sweep), print the report, write ``out`` and ``plot``; return the report."""
+    header = {"label": label, "request_topic": client.request_topic, "reply_topic": client.reply_topic}
+    with ProgressView(console, enabled=progress) as view:
+        if sweep:
+            results = asyncio.run(run_sweep(client, plan, sweep, payloads, view))
+        else:
+            results = [asyncio.run(run_load(client, plan, payloads, view, label))]
+    if sweep:
+        report: dict[str, Any] = {**header, "sweep_concurrency": list(sweep),
+                                  "runs": [result.report() for result in results]}
+        console.print(sweep_table(report["runs"]))
+        if plot:
+            plot_sweep([(label, report["runs"]), *compare], plot)
+    else:
+        report = {**header, **results[0].report()}
+        console.print(run_table(report))
+        if plot:
+            plot_run(results[0].samples, plot, title=f"kinfer loadgen: {label}")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    for name, path in (("report", out), ("plot", plot)):
+        if path:
+            console.print(f"{name}: {path}")
+    return report
+
+
+def _plan(args: argparse.Namespace) -> LoadPlan:
+    if args.sweep_concurrency and (args.concurrency or args.rate):
+        raise ValueError("--sweep-concurrency replaces --concurrency and --rate")
+    if args.compare and not args.sweep_concurrency:
+        raise ValueError("--compare draws sweeps: use it with --sweep-concurrency")
+    concurrency = args.sweep_concurrency[0] if args.sweep_concurrency else args.concurrency
+    if concurrency is None and args.rate is None:
+        concurrency = 1
+    return LoadPlan(concurrency=concurrency, rate=args.rate, arrivals=args.arrivals, requests=args.requests,
+                    duration_s=args.duration, warmup_s=args.warmup, timeout_s=args.timeout, seed=args.seed)
+
+
+def concurrency_list(text: str) -> list[int]:
+    try:
+        values = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,4,16: {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,4,16: {text!r}")
+    return values
+
+
+def _read_sweep(path: Path) -> tuple[str, list[dict[str, Any]]]:
+    report = orjson.loads(path.read_bytes())
+    if not isinstance(report, dict) or "runs" not in report:
+        raise ValueError(f"{path} is not a sweep report (no 'runs')")
+    return str(report.get("label") or path.stem), report["runs"]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

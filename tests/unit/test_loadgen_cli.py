@@ -1,0 +1,43 @@
+"""``kinfer loadgen`` flags: the public names parse, contradictions fail with a usage error."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadgen.cli import _plan, build_parser, main
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def test_public_flags_parse():
+    args = parse("--bootstrap-servers", "h:1", "--request-topic", "rq", "--reply-topic", "rp", "--rate", "50",
+                 "--duration", "3", "--payloads", "p.jsonl", "--timeout", "2", "--out", "o.json", "--plot",
+                 "o.png")
+    plan = _plan(args)
+    assert (plan.rate, plan.duration_s, plan.timeout_s, plan.concurrency) == (50, 3, 2, None)
+    assert (args.bootstrap_servers, args.request_topic, args.reply_topic) == ("h:1", "rq", "rp")
+
+
+def test_sweep_takes_a_list_and_defaults_to_closed_loop():
+    args = parse("--sweep-concurrency", "1,4,16", "--requests", "10")
+    assert args.sweep_concurrency == [1, 4, 16]
+    assert _plan(args).concurrency == 1
+    assert _plan(parse()).concurrency == 1, "no mode given: one request at a time"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--sweep-concurrency", "1,x"],
+    ["--sweep-concurrency", "0,4"],
+    ["--sweep-concurrency", "1,4", "--rate", "5"],
+    ["--concurrency", "2", "--rate", "5"],
+    ["--requests", "5", "--duration", "1"],
+    ["--compare", "a.json"],
+    ["--kafka", "novalue"],
+])
+def test_contradictions_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "error" in capsys.readouterr().err

@@ -1,0 +1,40 @@
+"""Plots are written as PNG files, also for degenerate runs."""
+
+from __future__ import annotations
+
+import random
+
+from loadgen.plot import plot_run, plot_sweep
+from loadgen.report import Sample, build_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def samples(n: int = 500) -> list[Sample]:
+    rng = random.Random(0)
+    outcomes = ["ok"] * 8 + ["error", "lost"]
+    result = []
+    for i in range(n):
+        outcome = outcomes[i % len(outcomes)]
+        latency = None if outcome == "lost" else rng.lognormvariate(2, 0.5)
+        result.append(Sample(i / 100, outcome, latency, "bad_request" if outcome == "error" else None))
+    return result
+
+
+def test_run_plot_is_a_png(tmp_path):
+    path = plot_run(samples(), tmp_path / "sub" / "run.png")
+    assert path.read_bytes().startswith(PNG)
+
+
+def test_run_plot_of_nothing_answered(tmp_path):
+    assert plot_run([Sample(0.0, "lost")], tmp_path / "lost.png").read_bytes().startswith(PNG)
+    assert plot_run([], tmp_path / "empty.png").read_bytes().startswith(PNG)
+
+
+def test_sweep_plot_compares_several_sweeps(tmp_path):
+    def sweep(scale: float) -> list[dict]:
+        return [{**build_report(samples(50)), "concurrency": c, "throughput_rps": scale * c ** 0.5}
+                for c in (1, 4, 16, 64)]
+
+    path = plot_sweep([("batch 32", sweep(2.0)), ("batch 1", sweep(1.0))], tmp_path / "sweep.png")
+    assert path.read_bytes().startswith(PNG)
