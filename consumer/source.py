@@ -137,7 +137,14 @@ class Source:
             self._metrics.paused_partitions.set(len(assignment))
             log.debug("paused: %d in flight", in_flight)
         elif self.paused and not self._draining.is_set() and in_flight <= self._config.resume_threshold:
-            self._consumer.resume(self._consumer.assignment())
+            assignment = self._consumer.assignment()
+            self._consumer.resume(assignment)
+            # librdkafka notices a resume only at its next fetch-loop wake-up (about 1 s later); a seek
+            # to the position the application has consumed up to starts the fetch at once, and refetches
+            # exactly what pause() discarded.
+            for tp in self._consumer.position(assignment):
+                if tp.offset >= 0:
+                    self._consumer.seek(tp)
             self.paused = False
             self._metrics.paused_partitions.set(0)
             log.debug("resumed: %d in flight", in_flight)
