@@ -2,6 +2,7 @@
 
 import time
 
+from consumer.errors import InvalidInput
 from handlers.echo import EchoHandler
 
 
@@ -11,3 +12,14 @@ class SlowEcho(EchoHandler):
     def inference(self, inputs):
         time.sleep(0.02)
         return inputs
+
+
+class RejectNull(EchoHandler):
+    """Echo, but a JSON ``null`` request is rejected with ``bad_request`` (an error reply per request)."""
+
+    name = "reject-null"
+
+    def validate(self, payload):
+        if payload is None:
+            raise InvalidInput("null is not a request")
+        return payload

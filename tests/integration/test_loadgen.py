@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import orjson
 import pytest
 
@@ -82,3 +84,30 @@ def test_demo_with_the_echo_handler(tmp_path):
     assert [run["concurrency"] for run in report["runs"]] == [1, 8]
     assert all(run["ok"] == run["sent"] > 0 for run in report["runs"])
     assert (tmp_path / "sweep.png").read_bytes().startswith(PNG)
+
+
+def test_report_accounts_for_every_request_when_the_service_stops_mid_run(broker, tmp_path):
+    """answered + errors + lost = sent, with error replies in the mix and the service gone half-way."""
+    topics = broker.topics(requests=2, replies=1, dead=1)
+    payloads = tmp_path / "mixed.jsonl"
+    # Every fifth request is JSON null, which the RejectNull handler answers with bad_request.
+    payloads.write_text("\n".join("null" if i % 5 == 0 else orjson.dumps({"i": i}).decode() for i in range(50)))
+    config = service_config(broker.bootstrap_servers, topics, handler="tests.integration.slow_handler:RejectNull")
+    out = tmp_path / "stopped.json"
+    service = Service(config).start()
+    try:
+        assert service.wait_ready(30)
+        stopper = threading.Timer(2.0, service.stop, kwargs={"grace_s": 0})
+        stopper.start()
+        code = cli.main(["--bootstrap-servers", broker.bootstrap_servers, "--request-topic", topics["requests"],
+                         "--reply-topic", topics["replies"], "--no-progress", "--concurrency", "8",
+                         "--duration", "4", "--warmup", "0", "--timeout", "1.5", "--payloads", str(payloads),
+                         "--out", str(out)])
+        stopper.join()
+    finally:
+        service.stop()
+    report = orjson.loads(out.read_bytes())
+    assert code == 0
+    assert report["lost"] > 0, "requests sent after the service stopped must be reported lost"
+    assert report["ok"] > 0 and report["errors"].get("bad_request", 0) > 0
+    assert report["ok"] + sum(report["errors"].values()) + report["lost"] == report["sent"]
