@@ -9,7 +9,11 @@ when inference has room (see ``stages.Pipeline``), so "due" means:
 - ``static``: TorchServe's semantics: when ``max_batch_size`` requests wait, or when the oldest has
   waited ``max_batch_delay_ms`` since it arrived (arrival = when the poll thread received it).
 
-Requests whose deadline has passed are rejected here with ``deadline_exceeded``, never computed.
+A batch also stops growing at ``max_batch_bytes`` of request values (it always takes at least one).
+
+Requests are rejected here, never computed, when their deadline has passed (``deadline_exceeded``) or
+when they have waited longer than ``max_queue_ms`` (``overloaded``: under overload the oldest work is
+shed instead of latency growing without bound).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ class Batcher:
         max_batch_size: int,
         max_batch_delay_ms: float,
         reject: Callable[[Request], None],
+        *,
+        max_batch_bytes: int | None = None,
+        max_queue_ms: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         epoch_ms: Callable[[], float] = lambda: time.time() * 1000,
     ) -> None:
@@ -43,25 +50,31 @@ class Batcher:
         self.policy = policy
         self.max_batch_size = max_batch_size
         self.max_batch_delay_s = max_batch_delay_ms / 1000
+        self.max_batch_bytes = max_batch_bytes
+        self.max_queue_ms = max_queue_ms
         self._reject = reject
         self._clock = clock
         self._epoch_ms = epoch_ms
         self._waiting: deque[Request] = deque()
+        self._waiting_bytes = 0
         self._cond = threading.Condition()
         self._closed = False
 
     def put(self, request: Request) -> None:
-        if self._fail_if_expired(request):
+        if self._rejected(request, self._clock()):
             return
         with self._cond:
             self._waiting.append(request)
+            self._waiting_bytes += _size(request)
             self._cond.notify()
 
     def wait_s(self, now: float) -> float | None:
         """Seconds until a batch is due (0: due now); None while nothing waits."""
         if not self._waiting:
             return None
-        if self.policy == "greedy" or len(self._waiting) >= self.max_batch_size:
+        if self.policy == "greedy" or len(self._waiting) >= self.max_batch_size or (
+            self.max_batch_bytes is not None and self._waiting_bytes >= self.max_batch_bytes
+        ):
             return 0.0
         return max(0.0, self._waiting[0].received + self.max_batch_delay_s - now)
 
@@ -81,13 +94,26 @@ class Batcher:
                     wait = self.wait_s(now)
                 if self._closed:
                     return []
-                taken = [self._waiting.popleft() for _ in range(min(self.max_batch_size, len(self._waiting)))]
-            batch = [request for request in taken if not self._fail_if_expired(request)]
+                taken = self._take()
+            batch = [request for request in taken if not self._rejected(request, now)]
             if batch:
                 for request in batch:
                     request.dispatched = now
                     request.batch_size = len(batch)
                 return batch
+
+    def _take(self) -> list[Request]:
+        """The oldest waiting requests within the size and byte limits (at least one)."""
+        taken: list[Request] = []
+        size = 0
+        while self._waiting and len(taken) < self.max_batch_size:
+            nbytes = _size(self._waiting[0])
+            if taken and self.max_batch_bytes is not None and size + nbytes > self.max_batch_bytes:
+                break
+            taken.append(self._waiting.popleft())
+            size += nbytes
+        self._waiting_bytes -= size
+        return taken
 
     def discard(self, partitions: Iterable[tuple[str, int]]) -> list[Request]:
         """Remove and return the waiting requests of these partitions (they are being revoked)."""
@@ -97,6 +123,7 @@ class Batcher:
             for request in self._waiting:
                 (dropped if (request.topic, request.partition) in keys else kept).append(request)
             self._waiting = kept
+            self._waiting_bytes = sum(_size(request) for request in kept)
             return dropped
 
     def close(self) -> None:
@@ -105,10 +132,20 @@ class Batcher:
             self._closed = True
             self._cond.notify_all()
 
-    def _fail_if_expired(self, request: Request) -> bool:
-        if request.expired(self._epoch_ms()):
-            request.fail(RequestError("deadline passed before the request was computed",
-                                      ErrorCode.DEADLINE_EXCEEDED))
-            self._reject(request)
-            return True
-        return False
+    def _rejected(self, request: Request, now: float) -> bool:
+        """Reject (and hand to ``reject``) a request that is past its deadline or waited too long."""
+        now_ms = self._epoch_ms()
+        if request.expired(now_ms):
+            error = RequestError("deadline passed before the request was computed", ErrorCode.DEADLINE_EXCEEDED)
+        elif self.max_queue_ms is not None and (age := request.age_ms(now, now_ms)) > self.max_queue_ms:
+            error = RequestError(f"shed after waiting {age:.0f} ms; max_queue_ms is {self.max_queue_ms:g}",
+                                 ErrorCode.OVERLOADED)
+        else:
+            return False
+        request.fail(error)
+        self._reject(request)
+        return True
+
+
+def _size(request: Request) -> int:
+    return len(request.value) if request.value is not None else 0

@@ -122,6 +122,9 @@ class ServiceConfig(BaseModel):
     max_batch_delay_ms: float = Field(
         20.0, ge=0, le=60_000, description="static: longest wait for a full batch, from the oldest arrival."
     )
+    max_batch_bytes: int | None = Field(
+        8_388_608, ge=1, description="Most bytes of request values in one batch (a larger request runs alone)."
+    )
     micro_batch_size: int | None = Field(
         None, ge=1, description="Split batches into micro-batches of this size (default: no split)."
     )
@@ -136,6 +139,11 @@ class ServiceConfig(BaseModel):
     )
     max_poll_records: int = Field(500, ge=1, le=100_000, description="Most records taken per poll.")
     max_request_bytes: int = Field(1_048_576, ge=1, description="Larger request values get payload_too_large.")
+    max_header_bytes: int = Field(16_384, ge=1, description="Larger request headers get payload_too_large.")
+    max_queue_ms: float | None = Field(
+        None, gt=0, description="Shed requests older than this (since written to Kafka) with overloaded "
+        "(default: never shed).",
+    )
     commit_interval_ms: int = Field(1000, ge=10, description="How often acknowledged offsets are committed.")
     rebalance_drain_ms: int = Field(
         5000, ge=0, description="On revoke, how long to wait for in-flight replies before committing."

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
 
 from consumer.errors import ErrorCode, RequestError
 
@@ -54,6 +55,8 @@ class Request:
     """``time.monotonic()`` when the poll thread got the record: batch delays count from here."""
     correlation_id: str
     reply_topic: str
+    timestamp_ms: float | None = None
+    """The record's Kafka timestamp (create or log-append time), epoch ms; None if the record has none."""
     reply_partition: int | None = None
     spring_correlation_id: bytes | None = None
     deadline_ms: int | None = None
@@ -81,6 +84,13 @@ class Request:
     def expired(self, now_epoch_ms: float) -> bool:
         return self.deadline_ms is not None and now_epoch_ms >= self.deadline_ms
 
+    def age_ms(self, now: float, now_epoch_ms: float) -> float:
+        """How long the request has waited: since it was written to Kafka when the record has a
+        timestamp (so time spent in a paused partition counts), else since the poll thread got it."""
+        if self.timestamp_ms is not None:
+            return now_epoch_ms - self.timestamp_ms
+        return (now - self.received) * 1000
+
 
 @dataclass(frozen=True, slots=True)
 class RequestDecoder:
@@ -89,10 +99,12 @@ class RequestDecoder:
     default_reply_topic: str
     max_request_bytes: int
     payload_format: PayloadFormat = "json"
+    max_header_bytes: int = 16_384
 
     def decode(self, record: Any, received: float | None = None) -> Request:
         """``record`` is a confluent_kafka.Message (or anything with the same accessors)."""
         topic, partition, offset = record.topic(), record.partition(), record.offset()
+        timestamp_type, timestamp = record.timestamp()
         request = Request(
             topic=topic,
             partition=partition,
@@ -103,9 +115,11 @@ class RequestDecoder:
             received=time.monotonic() if received is None else received,
             correlation_id=f"{topic}/{partition}/{offset}",
             reply_topic=self.default_reply_topic,
+            timestamp_ms=timestamp if timestamp_type != TIMESTAMP_NOT_AVAILABLE and timestamp > 0 else None,
         )
         try:
             self._read_headers(request)
+            self._check_header_size(request.headers)
             request.payload = self._read_value(request.value)
         except RequestError as exc:
             request.error = exc
@@ -135,6 +149,12 @@ class RequestDecoder:
         if problems:
             # Routing headers were read as far as possible first, so the error reply still finds its caller.
             raise RequestError("; ".join(problems), ErrorCode.BAD_REQUEST)
+
+    def _check_header_size(self, headers: Headers) -> None:
+        size = sum(len(name) + len(raw or b"") for name, raw in headers)
+        if size > self.max_header_bytes:
+            raise RequestError(f"request headers are {size} bytes; max_header_bytes is {self.max_header_bytes}",
+                               ErrorCode.PAYLOAD_TOO_LARGE)
 
     def _read_value(self, value: bytes | None) -> Any:
         size = len(value) if value is not None else 0

@@ -75,7 +75,8 @@ class Service:
             metrics=self.metrics,
         )
         self.batcher = Batcher(config.batch_policy, config.max_batch_size, config.max_batch_delay_ms,
-                               reject=self._reply_now)
+                               reject=self._reply_now, max_batch_bytes=config.max_batch_bytes,
+                               max_queue_ms=config.max_queue_ms)
         self.pipeline = Pipeline(
             self.handler,
             self.batcher.next_batch,
@@ -87,7 +88,8 @@ class Service:
             micro_batch_size=config.micro_batch_size,
             metrics=self.metrics,
         )
-        decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format)
+        decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
+                                 config.max_header_bytes)
         self.source = Source(config, decoder, self.tracker, self._route, self.batcher.discard, self.metrics)
         self.publisher.start()
         self.pipeline.start()

@@ -37,6 +37,9 @@ class FakeRecord:
     def headers(self) -> list | None:
         return self._headers
 
+    def timestamp(self) -> tuple[int, int]:
+        return (0, 0)  # TIMESTAMP_NOT_AVAILABLE
+
 
 def make_request(payload: Any = None, *, partition: int = 0, offset: int | None = None,
                  received: float = 0.0, deadline_ms: int | None = None, topic: str = "requests") -> Request:

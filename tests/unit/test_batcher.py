@@ -127,3 +127,46 @@ def test_close_wakes_a_waiting_consumer():
 def test_invalid_arguments_fail_at_construction(kwargs):
     with pytest.raises(ValueError):
         make_batcher(**kwargs)
+
+
+def test_batches_stop_at_max_batch_bytes_but_take_at_least_one():
+    clock = Clock()
+    rejected = []
+    batcher = Batcher("greedy", 10, 0, rejected.append, max_batch_bytes=10, clock=clock)
+    for size in (4, 4, 4, 30, 1):
+        request = make_request(received=clock.now)
+        request.value = b"x" * size
+        batcher.put(request)
+    assert [[len(r.value) for r in batcher.next_batch(0.0)] for _ in range(3)] == [[4, 4], [4], [30]]
+    assert [len(r.value) for r in batcher.next_batch(0.0)] == [1]
+
+
+def test_static_batch_is_due_when_waiting_bytes_reach_the_limit():
+    clock = Clock()
+    batcher = Batcher("static", 10, 1000, [].append, max_batch_bytes=8, clock=clock)
+    request = make_request(received=clock.now)
+    request.value = b"x" * 8
+    batcher.put(request)
+    assert batcher.wait_s(clock.now) == 0.0
+
+
+def test_requests_older_than_max_queue_ms_are_shed_as_overloaded():
+    clock = Clock()
+    now_ms = [10_000.0]
+    rejected = []
+    batcher = Batcher("greedy", 10, 0, rejected.append, max_queue_ms=500, clock=clock, epoch_ms=lambda: now_ms[0])
+    stale_in_kafka = make_request(received=clock.now)
+    stale_in_kafka.timestamp_ms = 9_000.0  # written to Kafka 1 s ago: shed on arrival
+    batcher.put(stale_in_kafka)
+    fresh = make_request(received=clock.now)
+    fresh.timestamp_ms = 9_900.0
+    batcher.put(fresh)
+    untimed = make_request(received=clock.now)  # no record timestamp: age counts from receipt
+    batcher.put(untimed)
+    assert rejected == [stale_in_kafka] and stale_in_kafka.error.code == "overloaded"
+    assert "max_queue_ms is 500" in stale_in_kafka.error.message
+
+    now_ms[0] = 10_450.0
+    clock.now += 0.6  # untimed has now waited 600 ms, fresh 550 ms: both shed at dispatch
+    assert batcher.next_batch(0.0) == []
+    assert rejected == [stale_in_kafka, fresh, untimed]

@@ -93,3 +93,21 @@ def test_dead_letter_headers_keep_originals_and_say_where_from():
     assert as_dict[protocol.ERROR_CODE] == b"bad_request"
     assert (as_dict[protocol.SOURCE_TOPIC], as_dict[protocol.SOURCE_PARTITION], as_dict[protocol.SOURCE_OFFSET]) == (
         b"t", b"1", b"9")
+
+
+def test_oversized_headers_are_payload_too_large_but_routing_is_kept():
+    decoder = protocol.RequestDecoder("replies", 100, max_header_bytes=64)
+    request = decoder.decode(FakeRecord(b"1", headers=[(protocol.CORRELATION_ID, b"c9"), ("junk", b"x" * 100)]))
+    assert request.error.code == ErrorCode.PAYLOAD_TOO_LARGE and request.dead_letter
+    assert "max_header_bytes is 64" in request.error.message and request.correlation_id == "c9"
+
+
+def test_record_timestamp_is_kept_for_queue_age():
+    class Timed(FakeRecord):
+        def timestamp(self):
+            return (1, 1_700_000_000_000)  # TIMESTAMP_CREATE_TIME
+
+    request = DECODER.decode(Timed(b"1"), received=5.0)
+    assert request.timestamp_ms == 1_700_000_000_000
+    assert request.age_ms(now=5.0, now_epoch_ms=1_700_000_000_250) == 250
+    assert DECODER.decode(FakeRecord(b"1"), received=5.0).age_ms(now=5.2, now_epoch_ms=0) == pytest.approx(200)

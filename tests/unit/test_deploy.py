@@ -1,0 +1,400 @@
+"""Static checks of deploy/: the files parse, and every flag, env var, metric name and install step they
+use exists in the code (checked against the real parsers and metrics), so deploy/ cannot drift from the
+service unnoticed. With a working Docker engine, the last test builds the image and runs the stack."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from consumer.cli import build_parser
+from consumer.config import ENV_PREFIX, ServiceConfig, load_config
+from consumer.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kinfer.json"
+YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
+CONFIG_ENV_VARS = {ENV_PREFIX + name.upper() for name in ServiceConfig.model_fields}
+# What Grafana defines itself, plus the dashboard's own variables (checked below).
+GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__all"}
+_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+             "gauge": ("",), "info": ("_info",), "summary": ("", "_sum", "_count", "_created")}
+
+
+# --- readers -------------------------------------------------------------------------------------------
+
+
+def interpolate(text: str) -> str:
+    """Compose's variable substitution with nothing set: ``${NAME:-default}`` -> default, ``$$`` -> ``$``.
+    A bare ``${NAME}`` fails: ``docker compose up`` must work without a .env file."""
+    bare = re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", text)
+    assert not bare, f"compose variables without a default: {bare}"
+    text = re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*:?-([^}]*)\}", r"\1", text)
+    return text.replace("$$", "$")
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(interpolate((DEPLOY / "docker-compose.yml").read_text()))
+
+
+def k8s_objects() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every Kubernetes object under deploy/k8s by (kind, name); the GPU patch is left out (a patch)."""
+    objects = {}
+    for path in sorted(K8S.rglob("*.yaml")):
+        if path.name in ("kustomization.yaml", "gpu-patch.yaml", "prometheus-adapter-values.yaml"):
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (kinfer,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "kinfer"]
+    return kinfer
+
+
+def literal_env(env: list[dict[str, Any]]) -> dict[str, str]:
+    return {item["name"]: str(item["value"]) for item in env if "value" in item}
+
+
+def serve_config(args: list[str], environ: dict[str, str]) -> ServiceConfig:
+    """What ``kinfer serve ARGS`` would run with: the real parser, then the real config loader."""
+    parsed = build_parser().parse_args(["serve", *args])
+    return load_config({name: getattr(parsed, name) for name in ServiceConfig.model_fields}, parsed.config, environ)
+
+
+def k8s_config(tmp_path: Path, extra_env: dict[str, str] | None = None) -> ServiceConfig:
+    """The Deployment's args with --config pointing at the ConfigMap file it mounts."""
+    objects = k8s_objects()
+    deployment = objects[("Deployment", "kinfer")]
+    kinfer = container(deployment)
+    args = list(kinfer["args"])
+    config_path = Path(args[args.index("--config") + 1])
+    (mount,) = [m for m in kinfer["volumeMounts"] if Path(m["mountPath"]) == config_path.parent]
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    data = objects[("ConfigMap", volume["configMap"]["name"])]["data"][config_path.name]
+    local = tmp_path / config_path.name
+    local.write_text(data)
+    args[args.index("--config") + 1] = str(local)
+    return serve_config(args, {**literal_env(kinfer.get("env", [])), **(extra_env or {})})
+
+
+def topic_partitions(script: str) -> dict[str, int]:
+    """``--topic NAME --partitions N`` pairs of a kafka-topics.sh script."""
+    return {name: int(n) for name, n in re.findall(r"--topic (\S+) --partitions (\d+)", script)}
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def dockerfile_args() -> dict[str, str]:
+    return dict(value.split("=", 1) for op, value in dockerfile_instructions() if op == "ARG" and "=" in value)
+
+
+def exposed_metric_names() -> set[str]:
+    """Every sample name a service's /metrics can show, from a real ``Metrics`` registry."""
+    names = set()
+    for family in Metrics().registry.collect():
+        names.update(family.name + suffix for suffix in _SUFFIXES[family.type])
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def dashboard_panels() -> list[dict[str, Any]]:
+    panels = []
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        panels.append(panel)
+        panels.extend(panel.get("panels", []))  # collapsed rows hold their panels
+    return panels
+
+
+def command_lines(text: str, program: str) -> list[list[str]]:
+    """Arguments after ``kinfer <program>`` on each line of the README's code blocks."""
+    found = []
+    for block in re.findall(r"```(?:bash)?\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0]
+            if f"kinfer {program}" in line:
+                found.append(shlex.split(line.split(f"kinfer {program}", 1)[1]))
+    return found
+
+
+# --- everything parses ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_yaml_files_parse(path):
+    docs = [doc for doc in yaml.safe_load_all(interpolate(path.read_text())) if doc is not None]
+    assert docs and all(isinstance(doc, dict) for doc in docs)
+
+
+def test_k8s_objects_are_complete_and_kustomization_lists_existing_files():
+    objects = k8s_objects()
+    assert {kind for kind, _ in objects} >= {"Deployment", "Service", "ConfigMap", "Job", "ScaledObject",
+                                             "HorizontalPodAutoscaler"}
+    assert all(doc.get("apiVersion") for doc in objects.values())
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert all((K8S / resource).is_file() for resource in kustomization["resources"])
+    # One autoscaler at a time: neither is applied by the kustomization.
+    assert not any("autoscaling" in resource for resource in kustomization["resources"])
+
+
+def test_compose_stack_has_its_parts():
+    services = compose()["services"]
+    kafka = services["kafka"]
+    assert kafka["image"].startswith("apache/kafka:")
+    assert kafka["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft, no ZooKeeper
+    assert services["topics"]["depends_on"]["kafka"]["condition"] == "service_healthy"
+    assert services["kinfer"]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+    assert services["kinfer"]["build"]["dockerfile"] == "deploy/Dockerfile"
+    assert (DEPLOY / services["kinfer"]["build"]["context"] / services["kinfer"]["build"]["dockerfile"]).is_file()
+    (device,) = services["kinfer-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert services["kinfer-gpu"]["profiles"] == ["gpu"] and services["loadgen"]["profiles"] == ["load"]
+    assert "profiles" not in services["kinfer"]  # plain `docker compose up` serves
+    for service in ("prometheus", "grafana"):
+        for volume in services[service]["volumes"]:
+            assert (DEPLOY / volume.split(":")[0]).exists(), volume
+
+
+# --- flags and env vars exist --------------------------------------------------------------------------
+
+
+def test_every_kinfer_env_var_named_in_deploy_is_a_config_option():
+    files = [*YAML_FILES, DEPLOY / "Dockerfile", DEPLOY / "README.md"]
+    unknown = {(path.name, name) for path in files
+               for name in re.findall(r"\bKINFER_[A-Z0-9_]+\b", path.read_text()) if name not in CONFIG_ENV_VARS}
+    assert not unknown, f"not a ServiceConfig env var (docs/configuration.md): {sorted(unknown)}"
+
+
+def test_compose_kinfer_services_configure_a_valid_service():
+    services = compose()["services"]
+    created = topic_partitions(services["topics"]["command"][0])
+    for name in ("kinfer", "kinfer-gpu"):
+        service = services[name]
+        environ = {key: str(value) for key, value in service["environment"].items()}
+        config = serve_config([str(arg) for arg in service.get("command", [])], environ)
+        assert set(config.request_topics) | {config.reply_topic, config.dead_letter_topic} <= set(created), name
+        port = str(config.metrics_port)
+        assert f"127.0.0.1:{port}/readyz" in " ".join(service["healthcheck"]["test"]), name
+    assert services["kinfer-gpu"]["environment"]["KINFER_DEVICE"] == "cuda"
+
+
+def test_compose_loadgen_and_readme_commands_parse():
+    loadgen_cli = pytest.importorskip("loadgen.cli")
+    services = compose()["services"]
+    loadgen = services["loadgen"]
+    assert loadgen["entrypoint"] == ["kinfer", "loadgen"]
+    args = loadgen_cli.build_parser().parse_args([str(arg) for arg in loadgen["command"]])
+    kinfer_env = services["kinfer"]["environment"]
+    assert args.request_topic in kinfer_env["KINFER_REQUEST_TOPICS"].split(",")
+    assert args.reply_topic == kinfer_env["KINFER_REPLY_TOPIC"]
+    # loadgen's --bootstrap-servers default reads the same env var as kinfer serve.
+    assert loadgen["environment"]["KINFER_BOOTSTRAP_SERVERS"] == kinfer_env["KINFER_BOOTSTRAP_SERVERS"]
+    readme = (DEPLOY / "README.md").read_text()
+    for argv in command_lines(readme, "loadgen"):
+        loadgen_cli.build_parser().parse_args(argv)
+    for argv in command_lines(readme, "serve"):
+        build_parser().parse_args(["serve", *argv])
+
+
+def test_k8s_deployment_configures_a_valid_service(tmp_path):
+    config = k8s_config(tmp_path)
+    assert config.bootstrap_servers and config.metrics_port > 0
+    gpu = yaml.safe_load((K8S / "gpu-patch.yaml").read_text())
+    gpu_config = k8s_config(tmp_path, literal_env(container(gpu).get("env", [])))
+    assert gpu_config.device == "cuda"
+    assert container(gpu)["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_k8s_probes_ports_and_grace_agree_with_the_config(tmp_path):
+    config = k8s_config(tmp_path)
+    objects = k8s_objects()
+    deployment = objects[("Deployment", "kinfer")]
+    kinfer = container(deployment)
+    ports = {port["name"]: port["containerPort"] for port in kinfer["ports"]}
+    assert ports["metrics"] == config.metrics_port
+    assert kinfer["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert kinfer["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert kinfer["resources"]["requests"]["cpu"] and kinfer["resources"]["requests"]["memory"]
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > config.shutdown_grace_s
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    service = objects[("Service", "kinfer-metrics")]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["metrics"]
+
+
+def test_autoscalers_follow_the_group_and_stop_at_the_partition_count(tmp_path):
+    config = k8s_config(tmp_path)
+    objects = k8s_objects()
+    job = objects[("Job", "kinfer-topics")]
+    script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    partitions = topic_partitions(script)
+    assert f"--bootstrap-server {config.bootstrap_servers} " in script
+    assert set(config.request_topics) | {config.reply_topic, config.dead_letter_topic} <= set(partitions)
+
+    keda = objects[("ScaledObject", "kinfer")]
+    (trigger,) = keda["spec"]["triggers"]
+    meta = trigger["metadata"]
+    assert trigger["type"] == "kafka" and keda["spec"]["scaleTargetRef"]["name"] == "kinfer"
+    assert meta["consumerGroup"] == config.group_id and meta["bootstrapServers"] == config.bootstrap_servers
+    assert meta["topic"] in config.request_topics
+    assert keda["spec"]["maxReplicaCount"] <= partitions[meta["topic"]]
+
+    hpa = objects[("HorizontalPodAutoscaler", "kinfer")]
+    (metric,) = hpa["spec"]["metrics"]
+    selector = metric["external"]["metric"]["selector"]["matchLabels"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "kinfer"
+    assert hpa["spec"]["maxReplicas"] <= partitions[selector["topic"]] and selector["topic"] in config.request_topics
+    (rule,) = yaml.safe_load((K8S / "autoscaling" / "prometheus-adapter-values.yaml").read_text())["rules"]["external"]
+    assert rule["name"]["as"] == metric["external"]["metric"]["name"]
+    assert "<<.Series>>{<<.LabelMatchers>>}" in rule["metricsQuery"]
+
+
+def test_prometheus_scrapes_the_metrics_port_of_every_kinfer_service():
+    services = compose()["services"]
+    (job,) = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    (sd,) = job["dns_sd_configs"]
+    assert set(sd["names"]) == {"kinfer", "kinfer-gpu"}
+    assert all(str(sd["port"]) == services[name]["environment"]["KINFER_METRICS_PORT"] for name in sd["names"])
+
+
+# --- metric names exist --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [DASHBOARD, *sorted((K8S / "autoscaling").glob("*.yaml"))],
+                         ids=lambda p: p.name)
+def test_metric_names_exist_in_the_service(path):
+    used = set(re.findall(r"\bkinfer_[a-z_]+\b", path.read_text()))
+    exposed = exposed_metric_names()
+    assert not used - exposed, f"{path.name} uses metrics the service does not expose: {sorted(used - exposed)}"
+    if path.name in ("kinfer.json", "hpa.yaml"):
+        assert used, "expected metric names"
+
+
+def test_dashboard_panels_are_well_formed():
+    dashboard = json.loads(DASHBOARD.read_text())
+    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    (provisioned,) = datasource["datasources"]
+    panels = dashboard_panels()
+    assert len({panel["id"] for panel in panels}) == len(panels)
+    variables = {variable["name"] for variable in dashboard["templating"]["list"]}
+    for panel in panels:
+        assert panel["gridPos"]["x"] >= 0 and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == provisioned["uid"], panel["title"]
+        assert panel["targets"], panel["title"]
+        assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"]), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == provisioned["uid"] and target["expr"].strip()
+            assert set(re.findall(r"\$(\w+)", target["expr"])) <= variables | GRAFANA_BUILTINS, target["expr"]
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/kinfer.yaml").read_text())
+    grafana = compose()["services"]["grafana"]
+    mounts = dict(volume.split(":")[:2] for volume in grafana["volumes"])
+    assert mounts["./grafana/dashboards"] == provider["providers"][0]["options"]["path"]
+
+
+# --- the image -----------------------------------------------------------------------------------------
+
+
+def test_dockerfile_installs_kinfer_the_way_the_makefile_does():
+    makefile = (ROOT / "Makefile").read_text()
+    torch_spec = re.search(r"^TORCH_SPEC \?= (\S+)$", makefile, re.M).group(1)
+    args = dockerfile_args()
+    assert args["TORCH_SPEC"] == torch_spec, "deploy/Dockerfile's TORCH_SPEC must equal the Makefile's default"
+    runs = [value for op, value in dockerfile_instructions() if op == "RUN" and "pip install" in value]
+    torch_step = next(i for i, run in enumerate(runs) if '"${TORCH_SPEC}"' in run)
+    kinfer_step = next(i for i, run in enumerate(runs) if "/src${EXTRAS:+[${EXTRAS}]}" in run)
+    assert torch_step < kinfer_step, "torch first, then kinfer (which leaves the installed torch alone)"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    assert set(filter(None, args["EXTRAS"].split(","))) <= set(extras)
+    copied = {Path(source).name for op, value in dockerfile_instructions() if op == "COPY"
+              for source in value.split()[:-1]}
+    packages = {pattern.rstrip("*") for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert copied >= packages | {"pyproject.toml", pyproject["project"]["readme"]}
+
+
+def test_dockerfile_runs_kinfer_serve_as_non_root_with_a_health_check():
+    instructions = dockerfile_instructions()
+    ops = dict(instructions)
+    assert json.loads(ops["ENTRYPOINT"]) == ["kinfer", "serve"]
+    user = ops["USER"].split(":")[0]
+    assert user.isdigit() and int(user) != 0, "a numeric non-root USER (Kubernetes runAsNonRoot checks it)"
+    assert "/healthz" in ops["HEALTHCHECK"] and "KINFER_METRICS_PORT" in ops["HEALTHCHECK"]
+    assert ops["EXPOSE"] == str(ServiceConfig.model_fields["metrics_port"].default)
+    assert ops["FROM"] == "${BASE_IMAGE}" and "BASE_IMAGE" in dockerfile_args()
+
+
+def test_dockerignore_keeps_what_the_image_copies():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert {".git", ".venv"} <= set(patterns)
+    for op, value in dockerfile_instructions():
+        if op == "COPY":
+            for source in value.split()[:-1]:
+                hits = [p for p in patterns if fnmatch.fnmatch(source, p) or fnmatch.fnmatch(source, p + "/*")]
+                assert not hits, f"{source} is copied but .dockerignore excludes it ({hits})"
+
+
+# --- the stack, where Docker can run it ----------------------------------------------------------------
+
+
+def _docker_engine() -> str | None:
+    """None when the engine and compose v2 answer, else why not."""
+    if shutil.which("docker") is None:
+        return "no docker CLI"
+    for command in (["docker", "info"], ["docker", "compose", "version"]):
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            return f"`{' '.join(command)}` did not answer in 30 s"
+        if result.returncode != 0:
+            return f"`{' '.join(command)}` failed: {(result.stderr or result.stdout).strip()[:200]}"
+    return None
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_compose_stack_smoke():
+    """Build the image, bring the stack up, send requests with the loadgen service, see them counted."""
+    reason = _docker_engine()
+    if reason:
+        pytest.skip(f"needs a working Docker engine with compose v2 to build and run deploy/: {reason}")
+    project = f"kinfer-smoke-{uuid.uuid4().hex[:8]}"
+    base = ["docker", "compose", "-f", str(DEPLOY / "docker-compose.yml"), "-p", project]
+
+    def run(*args: str, timeout: int) -> subprocess.CompletedProcess:
+        return subprocess.run([*base, *args], capture_output=True, text=True, timeout=timeout)
+
+    try:
+        up = run("up", "-d", "--build", "--wait", "--wait-timeout", "600", "kinfer", timeout=1800)
+        assert up.returncode == 0, up.stderr[-3000:]
+        load = run("--profile", "load", "run", "--rm", "loadgen", "--requests", "100", "--concurrency", "4",
+                   "--warmup", "0", "--no-progress", timeout=300)
+        assert load.returncode == 0, load.stdout[-3000:] + load.stderr[-3000:]
+        scrape = run("exec", "-T", "kinfer", "python", "-c", "import urllib.request; print(urllib.request."
+                     "urlopen('http://127.0.0.1:9400/metrics', timeout=5).read().decode())", timeout=60)
+        ok = re.search(r'^kinfer_requests_total\{[^}]*outcome="ok"[^}]*\} (\S+)', scrape.stdout, re.M)
+        assert ok and float(ok.group(1)) >= 100, scrape.stdout[-3000:]
+    finally:
+        run("--profile", "load", "down", "-v", "--remove-orphans", timeout=300)
