@@ -46,6 +46,8 @@ class Metrics:
                                ["status"], registry=r)
         self.delivery_failures = Counter("kinfer_delivery_failures", "Replies or dead letters the broker "
                                          "refused, by kind.", ["kind"], registry=r)
+        self.producer_replacements = Counter("kinfer_producer_replacements", "Producers replaced after a "
+                                             "fatal error (e.g. fenced after a broker restart).", registry=r)
         self.dead_letters = Counter("kinfer_dead_letters", "Records written to the dead-letter topic.",
                                     registry=r)
         self.consumer_lag = Gauge("kinfer_consumer_lag", "High watermark minus the consumer's position, "

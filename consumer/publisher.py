@@ -6,6 +6,10 @@ valid requests); then ``on_answered`` hands it to the commit tracker. A reply th
 delivered (e.g. its reply topic does not exist) sends the request to the dead-letter topic instead;
 if that fails too the request is never marked answered, so its offset is never committed and the
 record is served again after a restart or rebalance (at-least-once).
+
+A fatal producer error (e.g. an idempotent producer fenced with UNKNOWN_PRODUCER_ID after a broker
+lost its state) does not stop the service: the producer is replaced and every record it had not
+delivered is produced again by the new one.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from confluent_kafka import KafkaError, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from consumer.errors import ErrorCode, RequestError
 from consumer.logs import about
@@ -44,10 +48,13 @@ class Publisher:
         self._dead_letter_topic = dead_letter_topic
         self._on_answered = on_answered
         self._inbox: queue.Queue[list[Request]] = queue.Queue(maxsize=queue_size)
-        self._producer = producer_factory({**producer_config, "error_cb": self._on_client_error})
+        self._new_producer = partial(producer_factory, {**producer_config, "error_cb": self._on_client_error})
+        self._producer = self._new_producer()
+        self._fatal: KafkaError | None = None
+        self._undelivered: list[tuple[Any, Callable]] = []
+        """Records the fatal producer failed, with their delivery handlers, to produce again."""
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kinfer-publisher", daemon=True)
-        self.fatal_error: KafkaError | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -70,14 +77,16 @@ class Publisher:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.fatal_error is None
+        return self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
+            if self._fatal is not None:
+                self._replace_producer()
             try:
                 requests = self._inbox.get(timeout=_POLL_S)
             except queue.Empty:
-                if self._stopping.is_set():
+                if self._stopping.is_set() and self._fatal is None:
                     return
                 self._producer.poll(0)
                 continue
@@ -86,13 +95,29 @@ class Publisher:
                 self._publish(request, now)
             self._producer.poll(0)
 
+    def _replace_producer(self) -> None:
+        log.warning("replacing the producer after a fatal error: %s", self._fatal)
+        old = self._producer
+        # Fail whatever the dead producer still holds; its delivery reports land in _undelivered.
+        old.purge(in_queue=True, in_flight=True, blocking=False)
+        old.flush(1.0)
+        self._producer = self._new_producer()
+        self._fatal = None
+        self._metrics.producer_replacements.inc()
+        undelivered, self._undelivered = self._undelivered, []
+        for message, handler in undelivered:
+            partition = message.partition()
+            self._send(message.topic(), message.value(), message.key(), message.headers(), handler,
+                       partition if partition >= 0 else None)
+        log.warning("new producer: %d records produced again", len(undelivered))
+
     def _publish(self, request: Request, now: float) -> None:
         self._observe(request, now)
         request.pending_deliveries = 2 if request.dead_letter else 1
-        self._produce(
+        self._send(
             request.reply_topic,
             reply_value(request),
-            request,
+            request.key,
             reply_headers(request, now),
             partial(self._reply_delivered, request),
             request.reply_partition,
@@ -110,25 +135,39 @@ class Publisher:
             metrics.queue_wait.labels(request.topic).observe(request.dispatched - request.received)
 
     def _send_dead_letter(self, request: Request, error: RequestError) -> None:
-        self._produce(
+        self._send(
             self._dead_letter_topic,
             request.value,
-            request,
+            request.key,
             dead_letter_headers(request, error),
             partial(self._dead_letter_delivered, request),
+            None,
         )
 
-    def _produce(self, topic: str, value: bytes | None, request: Request, headers: list,
-                 on_delivery: Callable, partition: int | None = None) -> None:
+    def _send(self, topic: str, value: bytes | None, key: bytes | None, headers: list, handler: Callable,
+              partition: int | None) -> None:
         kwargs = {} if partition is None else {"partition": partition}
+        on_delivery = partial(self._on_delivery, handler)
         while True:
             try:
-                self._producer.produce(topic, value, request.key, headers=headers, on_delivery=on_delivery,
-                                       **kwargs)
+                self._producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery, **kwargs)
                 return
             except BufferError:
                 # librdkafka's local queue is full: serve delivery reports until there is room.
                 self._producer.poll(_POLL_S)
+            except KafkaException as exc:
+                if not exc.args[0].fatal():
+                    raise
+                self._fatal = exc.args[0]
+                self._replace_producer()
+
+    def _on_delivery(self, handler: Callable, err: KafkaError | None, message: Any) -> None:
+        if err is not None and (self._fatal is not None or err.fatal()):
+            # Not the record's fault: the producer died. Keep it for the replacement producer.
+            self._fatal = self._fatal or err
+            self._undelivered.append((message, handler))
+            return
+        handler(err, message)
 
     def _reply_delivered(self, request: Request, err: KafkaError | None, _msg: Any) -> None:
         if err is None:
@@ -161,7 +200,7 @@ class Publisher:
 
     def _on_client_error(self, err: KafkaError) -> None:
         if err.fatal():
-            self.fatal_error = err
-            log.critical("producer fatal error: %s", err)
+            self._fatal = err
+            log.error("producer fatal error (the producer will be replaced): %s", err)
         else:
             log.warning("producer: %s", err)

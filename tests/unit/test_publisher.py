@@ -1,0 +1,142 @@
+"""The publisher's delivery bookkeeping, with a fake producer (pure logic: no broker)."""
+
+from __future__ import annotations
+
+import time
+
+from confluent_kafka import KafkaError
+
+from consumer.errors import ErrorCode, RequestError
+from consumer.metrics import Metrics
+from consumer.protocol import encode_result
+from consumer.publisher import Publisher
+from tests.fakes import make_request
+
+
+class FakeMessage:
+    def __init__(self, topic, value, key, headers, partition):
+        self._fields = (topic, value, key, headers, partition)
+
+    def topic(self):
+        return self._fields[0]
+
+    def value(self):
+        return self._fields[1]
+
+    def key(self):
+        return self._fields[2]
+
+    def headers(self):
+        return self._fields[3]
+
+    def partition(self):
+        return self._fields[4]
+
+
+class FakeProducer:
+    """Delivers on poll; ``fate(topic)`` says which error (or None) each record gets."""
+
+    instances: list[FakeProducer] = []
+
+    def __init__(self, config, fate=lambda topic: None, fatal=None):
+        self.error_cb = config["error_cb"]
+        self.fate, self.fatal = fate, fatal
+        self.queued, self.delivered = [], []
+        FakeProducer.instances.append(self)
+
+    def produce(self, topic, value, key, headers=None, on_delivery=None, partition=-1):
+        self.queued.append((FakeMessage(topic, value, key, headers, partition), on_delivery))
+
+    def poll(self, timeout=0):
+        if self.fatal is not None:
+            self.error_cb(self.fatal)
+        queued, self.queued = self.queued, []
+        for message, on_delivery in queued:
+            err = self.fatal or self.fate(message.topic())
+            if err is None:
+                self.delivered.append(message)
+            on_delivery(err, message)
+        return 0
+
+    def flush(self, timeout=0):
+        self.poll()
+        return 0
+
+    def purge(self, **_):
+        pass
+
+
+def start_publisher(factories):
+    answered = []
+    factories = iter(factories)
+    publisher = Publisher({}, "dead", answered.append, queue_size=100, metrics=Metrics(),
+                          producer_factory=lambda config: next(factories)(config))
+    publisher.start()
+    return publisher, answered
+
+
+def ok_request(**kwargs):
+    request = make_request({"x": 1}, **kwargs)
+    request.reply_value = encode_result({"x": 1})
+    return request
+
+
+def wait_for(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_request_is_answered_only_after_reply_and_dead_letter_are_delivered():
+    FakeProducer.instances.clear()
+    publisher, answered = start_publisher([FakeProducer])
+    bad = make_request()
+    bad.error, bad.dead_letter = RequestError("not json", ErrorCode.BAD_REQUEST), True
+    good = ok_request()
+    publisher.submit([bad, good])
+    assert wait_for(lambda: len(answered) == 2)
+    publisher.stop(5)
+    topics = sorted(m.topic() for m in FakeProducer.instances[0].delivered)
+    assert topics == ["dead", "replies", "replies"]
+
+
+def test_undeliverable_reply_goes_to_the_dead_letter_topic_then_counts_as_answered():
+    FakeProducer.instances.clear()
+    refused = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
+    fate = {"nowhere": refused}.get
+    publisher, answered = start_publisher([lambda c: FakeProducer(c, fate=fate)])
+    request = ok_request()
+    request.reply_topic = "nowhere"
+    publisher.submit([request])
+    assert wait_for(lambda: answered == [request])
+    publisher.stop(5)
+    (dead,) = FakeProducer.instances[0].delivered
+    assert dead.topic() == "dead" and dict(dead.headers())["kinfer-error-code"] == b"internal_error"
+
+
+def test_dead_letter_failure_leaves_the_request_unanswered():
+    FakeProducer.instances.clear()
+    refused = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    publisher, answered = start_publisher([lambda c: FakeProducer(c, fate=lambda t: refused)])
+    publisher.submit([ok_request()])
+    time.sleep(0.3)
+    publisher.stop(5)
+    assert answered == []  # so its offset is never committed
+
+
+def test_fatal_producer_is_replaced_and_undelivered_records_are_produced_again():
+    FakeProducer.instances.clear()
+    fenced = KafkaError(KafkaError.UNKNOWN_PRODUCER_ID, fatal=True)
+    publisher, answered = start_publisher([lambda c: FakeProducer(c, fatal=fenced), FakeProducer])
+    requests = [ok_request(offset=i) for i in range(5)]
+    publisher.submit(requests)
+    assert wait_for(lambda: len(answered) == 5)
+    later = ok_request(offset=99)
+    publisher.submit([later])
+    assert wait_for(lambda: len(answered) == 6)
+    assert publisher.alive
+    publisher.stop(5)
+    first, second = FakeProducer.instances
+    assert first.delivered == [] and len(second.delivered) == 6
+    assert sorted(r.offset for r in answered) == [0, 1, 2, 3, 4, 99]
