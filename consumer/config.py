@@ -149,6 +149,10 @@ class ServiceConfig(BaseModel):
         5000, ge=0, description="On revoke, how long to wait for in-flight replies before committing."
     )
     shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM, how long to drain in-flight work.")
+    producer_stall_timeout_s: float = Field(
+        15.0, gt=0, description="Replace the producer when it reports no delivery for this long with records "
+        "outstanding (e.g. fenced after a broker lost its state).",
+    )
 
     # --- Operation
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")

@@ -7,9 +7,10 @@ delivered (e.g. its reply topic does not exist) sends the request to the dead-le
 if that fails too the request is never marked answered, so its offset is never committed and the
 record is served again after a restart or rebalance (at-least-once).
 
-A fatal producer error (e.g. an idempotent producer fenced with UNKNOWN_PRODUCER_ID after a broker
-lost its state) does not stop the service: the producer is replaced and every record it had not
-delivered is produced again by the new one.
+A dead producer does not stop the service: it is replaced, and every record it had not delivered
+is produced again by the new one. Dead means a fatal error, or no delivery report at all for
+``stall_timeout_s`` while records are outstanding: after a broker lost its state, librdkafka's
+idempotent producer can retry UNKNOWN_PRODUCER_ID forever without ever raising a fatal error.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 
+_Record = tuple[str, bytes | None, bytes | None, list, int | None]
+"""topic, value, key, headers, partition: what is needed to produce a record again."""
+
 
 class Publisher:
     def __init__(
@@ -42,6 +46,7 @@ class Publisher:
         on_answered: Callable[[Request], None],
         queue_size: int,
         metrics: Metrics,
+        stall_timeout_s: float = 15.0,
         producer_factory: Callable[[dict[str, Any]], Any] = Producer,
     ) -> None:
         self._metrics = metrics
@@ -51,8 +56,10 @@ class Publisher:
         self._new_producer = partial(producer_factory, {**producer_config, "error_cb": self._on_client_error})
         self._producer = self._new_producer()
         self._fatal: KafkaError | None = None
-        self._undelivered: list[tuple[Any, Callable]] = []
-        """Records the fatal producer failed, with their delivery handlers, to produce again."""
+        self._stall_timeout_s = stall_timeout_s
+        self._last_report = time.monotonic()
+        self._undelivered: list[tuple[_Record, Callable]] = []
+        """Records a dead producer failed, with their delivery handlers, to produce again."""
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kinfer-publisher", daemon=True)
 
@@ -81,7 +88,7 @@ class Publisher:
 
     def _run(self) -> None:
         while True:
-            if self._fatal is not None:
+            if self._fatal is not None or self._stalled():
                 self._replace_producer()
             try:
                 requests = self._inbox.get(timeout=_POLL_S)
@@ -95,33 +102,37 @@ class Publisher:
                 self._publish(request, now)
             self._producer.poll(0)
 
+    def _stalled(self) -> bool:
+        if len(self._producer) == 0:
+            self._last_report = time.monotonic()
+            return False
+        if time.monotonic() - self._last_report < self._stall_timeout_s:
+            return False
+        self._fatal = KafkaError(KafkaError._TIMED_OUT, f"no delivery report for {self._stall_timeout_s:g} s "
+                                 f"with {len(self._producer)} records outstanding")
+        return True
+
     def _replace_producer(self) -> None:
-        log.warning("replacing the producer after a fatal error: %s", self._fatal)
+        log.warning("replacing the producer: %s", self._fatal)
         old = self._producer
         # Fail whatever the dead producer still holds; its delivery reports land in _undelivered.
         old.purge(in_queue=True, in_flight=True, blocking=False)
         old.flush(1.0)
         self._producer = self._new_producer()
         self._fatal = None
+        self._last_report = time.monotonic()
         self._metrics.producer_replacements.inc()
         undelivered, self._undelivered = self._undelivered, []
-        for message, handler in undelivered:
-            partition = message.partition()
-            self._send(message.topic(), message.value(), message.key(), message.headers(), handler,
-                       partition if partition >= 0 else None)
+        for record, handler in undelivered:
+            self._send(record, handler)
         log.warning("new producer: %d records produced again", len(undelivered))
 
     def _publish(self, request: Request, now: float) -> None:
         self._observe(request, now)
         request.pending_deliveries = 2 if request.dead_letter else 1
-        self._send(
-            request.reply_topic,
-            reply_value(request),
-            request.key,
-            reply_headers(request, now),
-            partial(self._reply_delivered, request),
-            request.reply_partition,
-        )
+        reply = (request.reply_topic, reply_value(request), request.key, reply_headers(request, now),
+                 request.reply_partition)
+        self._send(reply, partial(self._reply_delivered, request))
         if request.dead_letter:
             assert request.error is not None
             self._send_dead_letter(request, request.error)
@@ -135,19 +146,14 @@ class Publisher:
             metrics.queue_wait.labels(request.topic).observe(request.dispatched - request.received)
 
     def _send_dead_letter(self, request: Request, error: RequestError) -> None:
-        self._send(
-            self._dead_letter_topic,
-            request.value,
-            request.key,
-            dead_letter_headers(request, error),
-            partial(self._dead_letter_delivered, request),
-            None,
-        )
+        dead_letter = (self._dead_letter_topic, request.value, request.key, dead_letter_headers(request, error), None)
+        self._send(dead_letter, partial(self._dead_letter_delivered, request))
 
-    def _send(self, topic: str, value: bytes | None, key: bytes | None, headers: list, handler: Callable,
-              partition: int | None) -> None:
+    def _send(self, record: _Record, handler: Callable) -> None:
+        topic, value, key, headers, partition = record
         kwargs = {} if partition is None else {"partition": partition}
-        on_delivery = partial(self._on_delivery, handler)
+        # The record itself rides along: delivery reports do not carry the headers back.
+        on_delivery = partial(self._on_delivery, record, handler)
         while True:
             try:
                 self._producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery, **kwargs)
@@ -161,11 +167,12 @@ class Publisher:
                 self._fatal = exc.args[0]
                 self._replace_producer()
 
-    def _on_delivery(self, handler: Callable, err: KafkaError | None, message: Any) -> None:
+    def _on_delivery(self, record: _Record, handler: Callable, err: KafkaError | None, message: Any) -> None:
+        self._last_report = time.monotonic()
         if err is not None and (self._fatal is not None or err.fatal()):
             # Not the record's fault: the producer died. Keep it for the replacement producer.
             self._fatal = self._fatal or err
-            self._undelivered.append((message, handler))
+            self._undelivered.append((record, handler))
             return
         handler(err, message)
 

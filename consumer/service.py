@@ -73,6 +73,7 @@ class Service:
             # Everything in flight fits, so the poll thread never blocks on a full queue.
             queue_size=config.max_in_flight + config.max_poll_records,
             metrics=self.metrics,
+            stall_timeout_s=config.producer_stall_timeout_s,
         )
         self.batcher = Batcher(config.batch_policy, config.max_batch_size, config.max_batch_delay_ms,
                                reject=self._reply_now, max_batch_bytes=config.max_batch_bytes,

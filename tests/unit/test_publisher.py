@@ -65,6 +65,9 @@ class FakeProducer:
     def purge(self, **_):
         pass
 
+    def __len__(self):
+        return len(self.queued)
+
 
 def start_publisher(factories):
     answered = []
@@ -140,3 +143,33 @@ def test_fatal_producer_is_replaced_and_undelivered_records_are_produced_again()
     first, second = FakeProducer.instances
     assert first.delivered == [] and len(second.delivered) == 6
     assert sorted(r.offset for r in answered) == [0, 1, 2, 3, 4, 99]
+
+
+class SilentProducer(FakeProducer):
+    """Accepts records and never reports on them (librdkafka retrying UNKNOWN_PRODUCER_ID forever)."""
+
+    def poll(self, timeout=0):
+        return 0
+
+    def flush(self, timeout=0):
+        queued, self.queued = self.queued, []
+        for message, on_delivery in queued:
+            on_delivery(KafkaError(KafkaError._PURGE_QUEUE), message)
+        return 0
+
+    def __len__(self):
+        return len(self.queued)
+
+
+def test_stalled_producer_is_replaced_and_its_records_produced_again():
+    FakeProducer.instances.clear()
+    answered = []
+    factories = iter([SilentProducer, FakeProducer])
+    publisher = Publisher({}, "dead", answered.append, queue_size=100, metrics=Metrics(), stall_timeout_s=0.3,
+                          producer_factory=lambda config: next(factories)(config))
+    publisher.start()
+    publisher.submit([ok_request(offset=i) for i in range(3)])
+    assert wait_for(lambda: len(answered) == 3)
+    publisher.stop(5)
+    _stalled, replacement = FakeProducer.instances
+    assert len(replacement.delivered) == 3
