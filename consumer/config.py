@@ -130,6 +130,17 @@ class ServiceConfig(BaseModel):
     )
     parallelism: Parallelism = Field(Parallelism(), description="Threads per stage.")
 
+    # --- Delivery
+    delivery: Literal["at-least-once", "exactly-once"] = Field(
+        "at-least-once",
+        description="at-least-once: replies, then offsets; exactly-once: replies and offsets in one "
+        "transaction (clients read replies with isolation.level=read_committed).",
+    )
+    transactional_id: str | None = Field(
+        None, min_length=1, description="exactly-once: the producer's transactional.id, unique per instance "
+        "(default: kinfer-<group_id>-<random>; a stable id per instance fences a crashed predecessor sooner).",
+    )
+
     # --- Flow control and limits
     max_in_flight: int = Field(
         2048, ge=1, description="Requests consumed but not yet committed; above it partitions pause."

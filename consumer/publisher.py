@@ -38,6 +38,24 @@ _Record = tuple[str, bytes | None, bytes | None, list, int | None]
 """topic, value, key, headers, partition: what is needed to produce a record again."""
 
 
+def reply_record(request: Request, now: float) -> _Record:
+    return (request.reply_topic, reply_value(request), request.key, reply_headers(request, now),
+            request.reply_partition)
+
+
+def dead_letter_record(topic: str, request: Request, error: RequestError) -> _Record:
+    return (topic, request.value, request.key, dead_letter_headers(request, error), None)
+
+
+def observe(metrics: Metrics, request: Request, now: float) -> None:
+    """Per-request metrics, taken when its reply is handed to the producer."""
+    outcome = "ok" if request.error is None else str(request.error.code)
+    metrics.requests.labels(request.topic, outcome).inc()
+    metrics.service_seconds.labels(request.topic).observe(now - request.received)
+    if request.dispatched is not None:
+        metrics.queue_wait.labels(request.topic).observe(request.dispatched - request.received)
+
+
 class Publisher:
     def __init__(
         self,
@@ -128,26 +146,16 @@ class Publisher:
         log.warning("new producer: %d records produced again", len(undelivered))
 
     def _publish(self, request: Request, now: float) -> None:
-        self._observe(request, now)
+        observe(self._metrics, request, now)
         request.pending_deliveries = 2 if request.dead_letter else 1
-        reply = (request.reply_topic, reply_value(request), request.key, reply_headers(request, now),
-                 request.reply_partition)
-        self._send(reply, partial(self._reply_delivered, request))
+        self._send(reply_record(request, now), partial(self._reply_delivered, request))
         if request.dead_letter:
             assert request.error is not None
             self._send_dead_letter(request, request.error)
 
-    def _observe(self, request: Request, now: float) -> None:
-        metrics = self._metrics
-        outcome = "ok" if request.error is None else str(request.error.code)
-        metrics.requests.labels(request.topic, outcome).inc()
-        metrics.service_seconds.labels(request.topic).observe(now - request.received)
-        if request.dispatched is not None:
-            metrics.queue_wait.labels(request.topic).observe(request.dispatched - request.received)
-
     def _send_dead_letter(self, request: Request, error: RequestError) -> None:
-        dead_letter = (self._dead_letter_topic, request.value, request.key, dead_letter_headers(request, error), None)
-        self._send(dead_letter, partial(self._dead_letter_delivered, request))
+        self._send(dead_letter_record(self._dead_letter_topic, request, error),
+                   partial(self._dead_letter_delivered, request))
 
     def _send(self, record: _Record, handler: Callable) -> None:
         topic, value, key, headers, partition = record

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from pathlib import Path
 from types import TracebackType
 
@@ -22,6 +23,7 @@ from consumer.protocol import Request, RequestDecoder
 from consumer.publisher import Publisher
 from consumer.source import Source
 from consumer.stages import Pipeline
+from consumer.transactions import TransactionalPublisher
 from handlers import Handler, HandlerContext, load_handler
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class Service:
         self._model_ready = False
         self._started = False
         self._stopped = threading.Event()
-        self.publisher: Publisher | None = None
+        self.publisher: Publisher | TransactionalPublisher | None = None
         self.batcher: Batcher | None = None
         self.pipeline: Pipeline | None = None
         self.source: Source | None = None
@@ -66,15 +68,28 @@ class Service:
         self._model_ready = True
         self.metrics.model.info(self.handler.describe())
         log.info("handler ready: %s", self.handler.describe())
-        self.publisher = Publisher(
-            config.producer_config(),
-            config.dead_letter_topic,
-            on_answered=self.tracker.finish,
-            # Everything in flight fits, so the poll thread never blocks on a full queue.
-            queue_size=config.max_in_flight + config.max_poll_records,
-            metrics=self.metrics,
-            stall_timeout_s=config.producer_stall_timeout_s,
-        )
+        # Everything in flight fits in the publisher's queue, so the poll thread never blocks on it.
+        queue_size = config.max_in_flight + config.max_poll_records
+        if config.delivery == "exactly-once":
+            self.publisher = TransactionalPublisher(
+                config.producer_config(),
+                config.transactional_id or f"kinfer-{config.group_id}-{uuid.uuid4().hex[:12]}",
+                config.dead_letter_topic,
+                self.tracker,
+                group_metadata=lambda: self.source.group_metadata(),  # type: ignore[union-attr]
+                queue_size=queue_size,
+                metrics=self.metrics,
+                commit_interval_s=config.commit_interval_ms / 1000,
+            )
+        else:
+            self.publisher = Publisher(
+                config.producer_config(),
+                config.dead_letter_topic,
+                on_answered=self.tracker.finish,
+                queue_size=queue_size,
+                metrics=self.metrics,
+                stall_timeout_s=config.producer_stall_timeout_s,
+            )
         self.batcher = Batcher(config.batch_policy, config.max_batch_size, config.max_batch_delay_ms,
                                reject=self._reply_now, max_batch_bytes=config.max_batch_bytes,
                                max_queue_ms=config.max_queue_ms)
@@ -91,7 +106,9 @@ class Service:
         )
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes)
-        self.source = Source(config, decoder, self.tracker, self._route, self.batcher.discard, self.metrics)
+        transaction_commit = self.publisher.commit_now if isinstance(self.publisher, TransactionalPublisher) else None
+        self.source = Source(config, decoder, self.tracker, self._route, self.batcher.discard, self.metrics,
+                             transaction_commit)
         self.publisher.start()
         self.pipeline.start()
         self.source.start()

@@ -39,16 +39,20 @@ class Source:
         route: Callable[[Request], None],
         discard: Callable[[list[PartitionKey]], list[Request]],
         metrics: Metrics,
+        transaction_commit: Callable[[float], bool] | None = None,
         consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
     ) -> None:
         """``route`` takes every decoded request; ``discard`` removes the not-yet-started requests of
-        partitions being revoked (the batcher's waiting room)."""
+        partitions being revoked (the batcher's waiting room). With ``transaction_commit``
+        (exactly-once) offsets are committed by the publisher's transactions, never by the consumer:
+        on revoke and close the source asks for one and waits for it."""
         self._config = config
         self._decoder = decoder
         self._tracker = tracker
         self._route = route
         self._discard = discard
         self._metrics = metrics
+        self._transaction_commit = transaction_commit
         self._consumer = consumer_factory(
             {**config.consumer_config(), "error_cb": self._on_client_error, "stats_cb": self._on_stats}
         )
@@ -58,6 +62,7 @@ class Source:
         self.assigned = threading.Event()
         self.paused = False
         self.broker_up = False
+        self._group_metadata: Any = None
         """Some broker connection is up (librdkafka statistics; also set by a successful assignment)."""
         self._next_commit = 0.0
 
@@ -95,7 +100,7 @@ class Source:
                     log.exception("poll loop error; continuing")
                     time.sleep(_ERROR_BACKOFF_S)
         finally:
-            self._commit()
+            self._commit(final=True)
             self._consumer.close()
             log.info("consumer closed")
 
@@ -149,8 +154,18 @@ class Source:
             self._metrics.paused_partitions.set(0)
             log.debug("resumed: %d in flight", in_flight)
 
-    def _commit(self, partitions: list[PartitionKey] | None = None) -> None:
+    def group_metadata(self) -> Any:
+        """The consumer's group generation at the last assignment, for ``send_offsets_to_transaction``
+        (zombie fencing). Cached by the poll thread: asking the consumer from another thread blocks
+        while the poll thread is inside the consumer."""
+        return self._group_metadata
+
+    def _commit(self, partitions: list[PartitionKey] | None = None, final: bool = False) -> None:
         self._next_commit = time.monotonic() + self._config.commit_interval_ms / 1000
+        if self._transaction_commit is not None:
+            if final:
+                self._transaction_commit(self._config.rebalance_drain_ms / 1000)
+            return
         offsets = self._tracker.commit_offsets(partitions)
         if not offsets:
             return
@@ -177,6 +192,7 @@ class Source:
         keys = [(tp.topic, tp.partition) for tp in partitions]
         self._tracker.assign(keys)
         consumer.assign(partitions)
+        self._group_metadata = consumer.consumer_group_metadata()
         if self.paused:
             consumer.pause(partitions)
             self._metrics.paused_partitions.set(len(partitions))
@@ -193,7 +209,7 @@ class Source:
         if not self._tracker.wait_idle(self._config.rebalance_drain_ms / 1000, keys):
             log.warning("revoke: in-flight requests of %s not answered within %d ms; "
                         "the next owner may answer them again", _names(keys), self._config.rebalance_drain_ms)
-        self._commit(keys)
+        self._commit(keys, final=True)
         self._forget(keys)
         log.info("revoked %s", _names(keys))
 

@@ -24,6 +24,7 @@ def service_config(bootstrap: str, topics: dict[str, str], **overrides: Any) -> 
         "handler": "echo",
         "kafka": TEST_CONSUMER_PROPERTIES,
         "commit_interval_ms": 200,
+        "metrics_port": -1,  # tests that scrape pass metrics_port=0 (any free port)
         **overrides,
     }
     return ServiceConfig(**values)
@@ -67,11 +68,11 @@ def produce(bootstrap: str, topic: str, records: list[tuple[bytes | None, bytes 
 
 
 def read(bootstrap: str, topic: str, count: int, timeout_s: float = 60.0, settle_s: float = 0.0,
-         partitions: list[int] | None = None) -> list[Message]:
+         partitions: list[int] | None = None, **config: str) -> list[Message]:
     """Read ``topic`` from the beginning by assignment until ``count`` records arrived (or timeout),
     then keep reading ``settle_s`` more so that extra (duplicate) records would show up too."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex[:8]}",
-                         "enable.auto.commit": "false", "fetch.wait.max.ms": "10"})
+                         "enable.auto.commit": "false", "fetch.wait.max.ms": "10", **config})
     try:
         if partitions is None:
             partitions = list(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
