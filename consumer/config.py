@@ -73,13 +73,15 @@ def _key_values(value: Any) -> Any:
         for item in value:
             key, sep, raw = str(item).partition("=")
             if not sep or not key.strip():
-                raise ValueError(f"expected key=value, got {item!r}")
+                # Never echo the item: it may be a mistyped secret (sasl.password:...).
+                raise ValueError(f"expected key=value, got an item of {len(str(item))} characters without '='")
             pairs[key.strip()] = raw.strip()
         return pairs
     return value
 
 
 Csv = Annotated[list[str], Field(min_length=1)]
+_MERGED = ("kafka", "kafka_consumer", "kafka_producer", "handler_options")
 
 
 class ServiceConfig(BaseModel):
@@ -271,16 +273,29 @@ def load_config(
     config_file: Path | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> ServiceConfig:
-    """Merge default < YAML < env < CLI and validate; raise ``ConfigError`` with every problem listed."""
+    """Merge default < YAML < env < CLI and validate; raise ``ConfigError`` with every problem listed.
+
+    Key/value options merge key by key across the layers (``kafka`` from a YAML file plus
+    ``KINFER_KAFKA`` with the SASL password from a secret); every other option is replaced whole.
+    """
+    layers = [
+        read_yaml(config_file) if config_file is not None else {},
+        env_overrides(environ),
+        {key: value for key, value in (cli or {}).items() if value is not None},
+    ]
     values: dict[str, Any] = {}
-    if config_file is not None:
-        values.update(read_yaml(config_file))
-    values.update(env_overrides(environ))
-    values.update({key: value for key, value in (cli or {}).items() if value is not None})
     try:
+        for layer in layers:
+            for key, value in layer.items():
+                if key in _MERGED and key in values:
+                    values[key] = {**_key_values(values[key]), **_key_values(value)}
+                else:
+                    values[key] = value
         return ServiceConfig(**values)
     except ValidationError as exc:
         raise ConfigError(describe_errors(exc)) from exc
+    except ValueError as exc:  # a malformed key=value item, found while merging
+        raise ConfigError(f"invalid configuration: {exc}") from exc
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

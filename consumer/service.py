@@ -14,10 +14,13 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 
+from confluent_kafka import KafkaException
+
 from consumer.batcher import Batcher
 from consumer.commit import OffsetTracker
 from consumer.config import ServiceConfig
 from consumer.endpoints import Endpoints
+from consumer.errors import ConfigError
 from consumer.metrics import Metrics
 from consumer.protocol import Request, RequestDecoder
 from consumer.publisher import Publisher
@@ -61,6 +64,14 @@ class Service:
             # Up before the model loads, so probes see "alive, not ready" during a slow start.
             self.endpoints = Endpoints(config.metrics_host, config.metrics_port, self.metrics.registry,
                                        self.health_checks, self.readiness_checks).start()
+        try:
+            return self._start(config)
+        except BaseException:
+            if self.endpoints is not None:
+                self.endpoints.close()
+            raise
+
+    def _start(self, config: ServiceConfig) -> Service:
         device = resolve_device(config.device)
         self.handler.setup(HandlerContext(device=device, model=_path(config.model),
                                           options=dict(config.handler_options)))
@@ -68,6 +79,19 @@ class Service:
         self._model_ready = True
         self.metrics.model.info(self.handler.describe())
         log.info("handler ready: %s", self.handler.describe())
+        try:
+            self._build(config)
+        except KafkaException as exc:
+            raise ConfigError(f"the Kafka client configuration was rejected: {exc.args[0].str()}") from exc
+        self.publisher.start()  # type: ignore[union-attr]
+        self.pipeline.start()  # type: ignore[union-attr]
+        self.source.start()  # type: ignore[union-attr]
+        self._started = True
+        log.info("serving %s -> %s (group %s, %s batching, max batch %d, %s)", ",".join(config.request_topics),
+                 config.reply_topic, config.group_id, config.batch_policy, config.max_batch_size, config.delivery)
+        return self
+
+    def _build(self, config: ServiceConfig) -> None:
         # Everything in flight fits in the publisher's queue, so the poll thread never blocks on it.
         queue_size = config.max_in_flight + config.max_poll_records
         if config.delivery == "exactly-once":
@@ -109,13 +133,6 @@ class Service:
         transaction_commit = self.publisher.commit_now if isinstance(self.publisher, TransactionalPublisher) else None
         self.source = Source(config, decoder, self.tracker, self._route, self.batcher.discard, self.metrics,
                              transaction_commit)
-        self.publisher.start()
-        self.pipeline.start()
-        self.source.start()
-        self._started = True
-        log.info("serving %s -> %s (group %s, %s batching, max batch %d)", ",".join(config.request_topics),
-                 config.reply_topic, config.group_id, config.batch_policy, config.max_batch_size)
-        return self
 
     def wait_ready(self, timeout_s: float) -> bool:
         """True once the consumer has its partitions (handler loaded, threads running)."""

@@ -91,3 +91,13 @@ def test_serve_with_embedded_broker_on_defaults():
         assert serve.terminate_and_wait() == 0, serve.log
     finally:
         serve.kill()
+
+
+def test_serve_rejects_an_unknown_librdkafka_property_with_exit_code_2():
+    result = subprocess.run(
+        [sys.executable, "-m", "consumer.cli", "serve", "--handler", "echo", "--metrics-port", "-1",
+         "--kafka", "no.such.property=1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Kafka client configuration was rejected" in result.stderr and "no.such.property" in result.stderr

@@ -92,3 +92,13 @@ def test_every_option_is_documented():
     doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     for name in ServiceConfig.model_fields:
         assert f"`--{name.replace('_', '-')}`" in doc and f"KINFER_{name.upper()}" in doc
+
+
+def test_key_value_options_merge_across_layers(tmp_path):
+    yaml_file = tmp_path / "kinfer.yaml"
+    yaml_file.write_text("kafka:\n  security.protocol: SASL_SSL\n  sasl.username: from-yaml\n")
+    env = {"KINFER_KAFKA": '{"sasl.password": "from-secret", "sasl.username": "from-env"}'}
+    config = load_config({"kafka": ["sasl.mechanism=PLAIN"]}, yaml_file, env)
+    assert {k: v for k, v in config.consumer_config().items() if k.startswith(("sasl", "security"))} == {
+        "security.protocol": "SASL_SSL", "sasl.username": "from-env", "sasl.password": "from-secret",
+        "sasl.mechanism": "PLAIN"}
