@@ -31,6 +31,8 @@ _CONSUMER_DEFAULTS = {
     # a low value keeps latency low everywhere at the cost of a few more idle fetches.
     "fetch.wait.max.ms": "10",
     "fetch.queue.backoff.ms": "10",
+    # Prefetched records wait here while partitions are paused: bound them well below librdkafka's 64 MiB.
+    "queued.max.messages.kbytes": "16384",
     # Statistics tell /readyz whether a broker connection is up, without extra broker requests.
     "statistics.interval.ms": "5000",
 }

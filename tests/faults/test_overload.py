@@ -1,0 +1,88 @@
+"""Overload: requests arrive at 3x the service's capacity for 60 s.
+
+The service (a real ``kinfer serve`` process) must pause its partitions instead of queueing without
+limit, keep its resident memory within the documented bound, never leave the group, and catch up
+afterwards with every request answered.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import orjson
+import pytest
+
+from tests.conftest import TEST_CONSUMER_PROPERTIES
+from tests.integration.kafka_io import committed, produce, read
+from tests.integration.test_cli import ServeProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.slow]
+
+CAPACITY_RPS = 200  # SlowEcho: 20 ms per batch of at most 4
+RATE_RPS = 3 * CAPACITY_RPS
+LOAD_S = 60
+MEMORY_BOUND_MB = 150  # docs/guarantees.md: growth of resident memory under overload
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_three_times_capacity_for_a_minute(broker, unique_id):
+    topics = broker.topics(requests=3, replies=1, dead=1)
+    group = f"overload-{unique_id}"
+    serve = ServeProcess([
+        "--bootstrap-servers", broker.bootstrap_servers, "--request-topics", topics["requests"],
+        "--reply-topic", topics["replies"], "--dead-letter-topic", topics["dead"], "--group-id", group,
+        "--handler", "tests.integration.slow_handler:SlowEcho", "--max-batch-size", "4", "--metrics-port", "-1",
+        *[arg for key, value in TEST_CONSUMER_PROPERTIES.items() for arg in ("--kafka", f"{key}={value}")],
+    ])
+    ends: Counter = Counter()
+    samples: list[float] = []
+    stop_sampling = threading.Event()
+
+    def sample() -> None:
+        while not stop_sampling.wait(0.5):
+            samples.append(rss_mb(serve.process.pid))
+
+    try:
+        assert serve.assigned.wait(60), serve.log
+        baseline = rss_mb(serve.process.pid)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        started = time.monotonic()
+        sent = 0
+        while (elapsed := time.monotonic() - started) < LOAD_S:
+            due = int(elapsed * RATE_RPS) - sent
+            if due > 0:
+                ends.update(produce(broker.bootstrap_servers, topics["requests"],
+                                    [(None, orjson.dumps(sent + i), []) for i in range(due)]).ends)
+                sent += due
+            time.sleep(0.05)
+        load_end = time.monotonic()
+        # Catching up takes about (3 - 1) x LOAD_S at capacity.
+        deadline = load_end + 3 * LOAD_S
+        while committed(broker.bootstrap_servers, group, list(ends)) != dict(ends) and time.monotonic() < deadline:
+            time.sleep(2.0)
+        caught_up_s = time.monotonic() - load_end
+        stop_sampling.set()
+        final = committed(broker.bootstrap_servers, group, list(ends))
+        assert serve.terminate_and_wait() == 0, serve.log
+    finally:
+        stop_sampling.set()
+        serve.kill()
+    replies = read(broker.bootstrap_servers, topics["replies"], sent, timeout_s=60)
+    print(f"overload: sent {sent} at {RATE_RPS}/s for {LOAD_S} s, replies {len(replies)}, "
+          f"caught up {caught_up_s:.0f} s after the load, RSS baseline {baseline:.0f} MB, "
+          f"peak {max(samples):.0f} MB")
+    assert final == dict(ends), "not every request was answered and committed"
+    assert len({orjson.loads(m.value())["result"] for m in replies}) == sent
+    assert max(samples) - baseline < MEMORY_BOUND_MB
+    assert serve.log.count("assigned ") == 1 and "revoked" not in serve.log.split("received SIGTERM")[0]
+    assert "lost " not in serve.log
