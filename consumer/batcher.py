@@ -61,7 +61,9 @@ class Batcher:
         self._closed = False
 
     def put(self, request: Request) -> None:
-        if self._rejected(request, self._clock()):
+        error = self._rejection(request, self._clock())
+        if error is not None:
+            self._refuse(request, error)
             return
         with self._cond:
             self._waiting.append(request)
@@ -94,26 +96,34 @@ class Batcher:
                     wait = self.wait_s(now)
                 if self._closed:
                     return []
-                taken = self._take()
-            batch = [request for request in taken if not self._rejected(request, now)]
+                batch, rejected = self._take(now)
+            for request, error in rejected:
+                self._refuse(request, error)
             if batch:
                 for request in batch:
                     request.dispatched = now
                     request.batch_size = len(batch)
                 return batch
 
-    def _take(self) -> list[Request]:
-        """The oldest waiting requests within the size and byte limits (at least one)."""
+    def _take(self, now: float) -> tuple[list[Request], list[tuple[Request, RequestError]]]:
+        """The oldest servable requests within the size and byte limits (at least one), and the
+        expired or shed ones met on the way: those do not count against the batch size."""
         taken: list[Request] = []
+        rejected: list[tuple[Request, RequestError]] = []
         size = 0
         while self._waiting and len(taken) < self.max_batch_size:
             nbytes = _size(self._waiting[0])
             if taken and self.max_batch_bytes is not None and size + nbytes > self.max_batch_bytes:
                 break
-            taken.append(self._waiting.popleft())
-            size += nbytes
-        self._waiting_bytes -= size
-        return taken
+            request = self._waiting.popleft()
+            self._waiting_bytes -= nbytes
+            error = self._rejection(request, now)
+            if error is None:
+                taken.append(request)
+                size += nbytes
+            else:
+                rejected.append((request, error))
+        return taken, rejected
 
     def discard(self, partitions: Iterable[tuple[str, int]]) -> list[Request]:
         """Remove and return the waiting requests of these partitions (they are being revoked)."""
@@ -132,19 +142,19 @@ class Batcher:
             self._closed = True
             self._cond.notify_all()
 
-    def _rejected(self, request: Request, now: float) -> bool:
-        """Reject (and hand to ``reject``) a request that is past its deadline or waited too long."""
-        now_ms = self._epoch_ms()
-        if request.expired(now_ms):
-            error = RequestError("deadline passed before the request was computed", ErrorCode.DEADLINE_EXCEEDED)
-        elif self.max_queue_ms is not None and (age := request.age_ms(now, now_ms)) > self.max_queue_ms:
-            error = RequestError(f"shed after waiting {age:.0f} ms; max_queue_ms is {self.max_queue_ms:g}",
-                                 ErrorCode.OVERLOADED)
-        else:
-            return False
+    def _refuse(self, request: Request, error: RequestError) -> None:
         request.fail(error)
         self._reject(request)
-        return True
+
+    def _rejection(self, request: Request, now: float) -> RequestError | None:
+        """Why a request must not be computed: past its deadline, or waited too long."""
+        now_ms = self._epoch_ms()
+        if request.expired(now_ms):
+            return RequestError("deadline passed before the request was computed", ErrorCode.DEADLINE_EXCEEDED)
+        if self.max_queue_ms is not None and (age := request.age_ms(now, now_ms)) > self.max_queue_ms:
+            return RequestError(f"shed after waiting {age:.0f} ms; max_queue_ms is {self.max_queue_ms:g}",
+                                ErrorCode.OVERLOADED)
+        return None
 
 
 def _size(request: Request) -> int:

@@ -84,6 +84,8 @@ def _key_values(value: Any) -> Any:
 
 Csv = Annotated[list[str], Field(min_length=1)]
 _MERGED = ("kafka", "kafka_consumer", "kafka_producer", "handler_options")
+_LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000
+_DEAD_LETTER_OVERHEAD = 4096  # kinfer's own dead-letter headers and the record framing
 
 
 class ServiceConfig(BaseModel):
@@ -153,7 +155,7 @@ class ServiceConfig(BaseModel):
         None, ge=0, description="Resume paused partitions at or below this (default: max_in_flight / 2)."
     )
     max_poll_records: int = Field(500, ge=1, le=100_000, description="Most records taken per poll.")
-    max_request_bytes: int = Field(1_048_576, ge=1, description="Larger request values get payload_too_large.")
+    max_request_bytes: int = Field(960_000, ge=1, description="Larger request values get payload_too_large.")
     max_header_bytes: int = Field(16_384, ge=1, description="Larger request headers get payload_too_large.")
     max_queue_ms: float | None = Field(
         None, gt=0, description="Shed requests older than this (since written to Kafka) with overloaded "
@@ -223,6 +225,14 @@ class ServiceConfig(BaseModel):
             raise ValueError(
                 f"max_in_flight ({self.max_in_flight}) must be at least max_batch_size "
                 f"({self.max_batch_size}), or batches could never fill"
+            )
+        message_max = int(self.producer_config().get("message.max.bytes", _LIBRDKAFKA_MESSAGE_MAX_BYTES))
+        if self.max_request_bytes + self.max_header_bytes + _DEAD_LETTER_OVERHEAD > message_max:
+            raise ValueError(
+                f"max_request_bytes + max_header_bytes ({self.max_request_bytes} + {self.max_header_bytes}) "
+                f"leaves no room under the producer's message.max.bytes ({message_max}) for the dead letter "
+                "of a maximal request: lower them, or raise message.max.bytes (--kafka-producer) and the "
+                "reply and dead-letter topics' max.message.bytes"
             )
         if self.resume_in_flight is not None and self.resume_in_flight >= self.max_in_flight:
             raise ValueError("resume_in_flight must be below max_in_flight")

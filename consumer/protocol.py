@@ -135,7 +135,7 @@ class RequestDecoder:
                 if name == CORRELATION_ID:
                     request.correlation_id = _text(raw, name)
                 elif name == SPRING_CORRELATION_ID:
-                    request.spring_correlation_id = raw
+                    request.spring_correlation_id = raw or None
                 elif name in (REPLY_TO, SPRING_REPLY_TOPIC):
                     request.reply_topic = _topic(raw, name)
                 elif name == SPRING_REPLY_PARTITION:
@@ -248,10 +248,11 @@ def reply_value(request: Request) -> bytes:
     return request.reply_value
 
 
-def dead_letter_headers(request: Request, error: RequestError) -> Headers:
-    """The original headers plus where the record came from and why it could not be served."""
+def dead_letter_headers(request: Request, error: RequestError, original: bool = True) -> Headers:
+    """The original headers (with ``original``) plus where the record came from and why it could not be
+    served."""
     return [
-        *request.headers,
+        *(request.headers if original else []),
         (ERROR_CODE, str(error.code).encode()),
         (ERROR_MESSAGE, error.message[:_MAX_ERROR_MESSAGE].encode()),
         (SOURCE_TOPIC, request.topic.encode()),

@@ -43,8 +43,10 @@ def reply_record(request: Request, now: float) -> _Record:
             request.reply_partition)
 
 
-def dead_letter_record(topic: str, request: Request, error: RequestError) -> _Record:
-    return (topic, request.value, request.key, dead_letter_headers(request, error), None)
+def dead_letter_record(topic: str, request: Request, error: RequestError, original: bool = True) -> _Record:
+    """With ``original`` the request's value and headers ride along; without, only kinfer's headers."""
+    return (topic, request.value if original else None, request.key,
+            dead_letter_headers(request, error, original), None)
 
 
 def observe(metrics: Metrics, request: Request, now: float) -> None:
@@ -153,9 +155,9 @@ class Publisher:
             assert request.error is not None
             self._send_dead_letter(request, request.error)
 
-    def _send_dead_letter(self, request: Request, error: RequestError) -> None:
-        self._send(dead_letter_record(self._dead_letter_topic, request, error),
-                   partial(self._dead_letter_delivered, request))
+    def _send_dead_letter(self, request: Request, error: RequestError, original: bool = True) -> None:
+        self._send(dead_letter_record(self._dead_letter_topic, request, error, original),
+                   partial(self._dead_letter_delivered, request, error, original))
 
     def _send(self, record: _Record, handler: Callable) -> None:
         topic, value, key, headers, partition = record
@@ -170,9 +172,13 @@ class Publisher:
                 # librdkafka's local queue is full: serve delivery reports until there is room.
                 self._producer.poll(_POLL_S)
             except KafkaException as exc:
-                if not exc.args[0].fatal():
-                    raise
-                self._fatal = exc.args[0]
+                error = exc.args[0]
+                if not error.fatal():
+                    # Refused at once (too large, unknown topic or partition): the same path as a
+                    # failed delivery, so the request still gets its answer or dead letter.
+                    handler(error, None)
+                    return
+                self._fatal = error
                 self._replace_producer()
 
     def _on_delivery(self, record: _Record, handler: Callable, err: KafkaError | None, message: Any) -> None:
@@ -190,6 +196,11 @@ class Publisher:
             self._delivered(request)
             return
         self._metrics.delivery_failures.labels("reply").inc()
+        if err.code() == KafkaError.MSG_SIZE_TOO_LARGE and request.ok:
+            # The result is too large for the broker: the caller gets a small error reply instead.
+            request.fail(RequestError(f"the result is too large to publish: {err.str()}", ErrorCode.HANDLER_ERROR))
+            self._send(reply_record(request, time.monotonic()), partial(self._reply_delivered, request))
+            return
         log.error("reply to %s failed: %s; sending the request to %s", request.reply_topic, err,
                   self._dead_letter_topic, extra=about(request))
         request.pending_deliveries += 1
@@ -200,12 +211,17 @@ class Publisher:
         )
         self._delivered(request)
 
-    def _dead_letter_delivered(self, request: Request, err: KafkaError | None, _msg: Any) -> None:
+    def _dead_letter_delivered(self, request: Request, error: RequestError, original: bool,
+                               err: KafkaError | None, _msg: Any) -> None:
         if err is None:
             self._metrics.dead_letters.inc()
             self._delivered(request)
             return
         self._metrics.delivery_failures.labels("dead_letter").inc()
+        if err.code() == KafkaError.MSG_SIZE_TOO_LARGE and original:
+            # Keep the record of the failure, without the original value and headers that made it too large.
+            self._send_dead_letter(request, error, original=False)
+            return
         log.critical("dead letter failed: %s; the offset stays uncommitted", err, extra=about(request))
 
     def _delivered(self, request: Request) -> None:

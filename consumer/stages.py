@@ -11,12 +11,15 @@ the request it belongs to; a failing handler call fails only the requests of tha
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from consumer.errors import ErrorCode, RequestError
 from consumer.logs import about
@@ -28,6 +31,24 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 _POLL_S = 0.1
+
+
+def finite(value: Any) -> bool:
+    """No NaN or infinity anywhere in a result (floats, numpy arrays, nested lists and dicts)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(finite(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        if value and isinstance(value[0], float):
+            try:
+                return all(map(math.isfinite, value))  # fast path: a vector of floats
+            except TypeError:
+                pass  # mixed contents: check item by item
+        return all(finite(item) for item in value)
+    if isinstance(value, np.ndarray | np.floating):
+        return value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
+    return True
 
 
 class BatchTicket:
@@ -231,11 +252,15 @@ class Pipeline:
         for request, result in zip(micro_batch.active, results, strict=True):
             if isinstance(result, RequestError):
                 request.fail(result)
-                continue
-            try:
-                request.reply_value = encode_result(result)
-            except TypeError as exc:
-                request.fail(RequestError(f"result is not JSON-serialisable: {exc}", ErrorCode.HANDLER_ERROR))
+            elif not finite(result):
+                # JSON has no NaN or infinity (orjson would write null): a client must not mistake
+                # a broken output for a value.
+                request.fail(RequestError("result holds NaN or infinity", ErrorCode.HANDLER_ERROR))
+            else:
+                try:
+                    request.reply_value = encode_result(result)
+                except TypeError as exc:
+                    request.fail(RequestError(f"result is not JSON-serialisable: {exc}", ErrorCode.HANDLER_ERROR))
 
     def _emit_micro_batch(self, micro_batch: MicroBatch) -> None:
         self._emit(micro_batch.requests)

@@ -178,6 +178,11 @@ class TransactionalPublisher:
                 return
             except BufferError:
                 self._producer.poll(_POLL_S)
+            except KafkaException as exc:
+                if exc.args[0].fatal():
+                    raise
+                self._delivered(request, topic, exc.args[0], None)  # refused at once: same as a failed delivery
+                return
 
     def _delivered(self, request: Request, topic: str, err: KafkaError | None, _msg: Any) -> None:
         if err is not None and not err.fatal() and topic == request.reply_topic and topic != self._dead_letter_topic:

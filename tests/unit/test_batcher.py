@@ -170,3 +170,16 @@ def test_requests_older_than_max_queue_ms_are_shed_as_overloaded():
     clock.now += 0.6  # untimed has now waited 600 ms, fresh 550 ms: both shed at dispatch
     assert batcher.next_batch(0.0) == []
     assert rejected == [stale_in_kafka, fresh, untimed]
+
+
+def test_expired_requests_do_not_take_places_in_the_batch():
+    now_ms = [1_000.0]
+    rejected = []
+    batcher = Batcher("greedy", 3, 0, rejected.append, clock=Clock(), epoch_ms=lambda: now_ms[0])
+    doomed = [make_request(deadline_ms=1_500) for _ in range(3)]
+    live = [make_request() for _ in range(4)]
+    for request in [doomed[0], live[0], doomed[1], doomed[2], live[1], live[2], live[3]]:
+        batcher.put(request)
+    now_ms[0] = 2_000.0
+    assert batcher.next_batch(0.0) == live[:3]  # full, though three expired requests were in the way
+    assert rejected == doomed

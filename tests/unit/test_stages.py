@@ -3,10 +3,11 @@ import queue
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from consumer.errors import InvalidInput, RequestError
-from consumer.stages import Pipeline
+from consumer.stages import Pipeline, finite
 from handlers.base import Handler
 from tests.fakes import make_request
 
@@ -127,10 +128,10 @@ def test_bad_items_fail_alone_and_neighbours_succeed():
     ]
 
 
-def test_nan_in_output_is_encoded_without_crashing():
+def test_nan_in_output_fails_that_request_only():
     batch = [make_request({"x": -5})]
     run_pipeline(SquareHandler(), [batch])
-    assert batch[0].ok and reply(batch[0]) == {"y": None}
+    assert batch[0].error.code == "handler_error" and "NaN or infinity" in batch[0].error.message
 
 
 def test_exception_fails_only_its_micro_batch_and_pipeline_keeps_running():
@@ -164,3 +165,20 @@ def test_every_request_comes_out_exactly_once(micro):
     batches = [[make_request({"x": i}) for i in range(n)] for n in (1, 7, 16, 5)]
     emitted = run_pipeline(SquareHandler(), batches, micro=micro, threads=(2, 2, 2), max_batch_size=16)
     assert sorted(id(r) for r in emitted) == sorted(id(r) for b in batches for r in b)
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        ({"embedding": [0.1, 0.2]}, True),
+        ({"embedding": [0.1, math.nan]}, False),
+        ([1, 2.5, "x", None, {"a": [math.inf]}], False),
+        ({"labels": [{"label": "pos", "score": 0.9}]}, True),
+        (np.array([1.0, np.nan]), False),
+        (np.array([1, 2]), True),
+        (np.float32("inf"), False),
+        ([], True),
+    ],
+)
+def test_finite_finds_nan_and_infinity_anywhere(value, ok):
+    assert finite(value) is ok

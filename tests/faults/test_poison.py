@@ -1,0 +1,412 @@
+"""Poison input (issue 4, item 3): every bad record gets exactly one error reply with its code (and a
+dead letter when it cannot be read as a request), its batch neighbours succeed, the service lives on.
+
+Poison and valid requests are produced together to a one-partition topic and batched by the static
+policy with ``max_batch_size`` equal to the number of records that reach the batcher, so they all share
+one batch: every one of them reports that batch size in ``kinfer-batch-size``, and the handler
+(``poison_handlers.Poison``) records the batches it computed.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import orjson
+import pytest
+from confluent_kafka import Message, Producer
+from confluent_kafka.admin import AdminClient
+
+from consumer import protocol
+from consumer.errors import ErrorCode
+from consumer.service import Service
+from tests.faults.harness import Group
+from tests.faults.poison_handlers import Poison
+from tests.integration.kafka_io import headers_of, produce, read, service_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+READY_S = 30
+MAX_REQUEST_BYTES = 4096
+MAX_HEADER_BYTES = 1024
+KNOWN_CODES = {str(code) for code in ErrorCode}
+# Tight limits keep a test short when the service is broken: a dead thread leaves work unanswered.
+FAST_STOP = {"shutdown_grace_s": 3.0, "rebalance_drain_ms": 500}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request record and the outcome the protocol promises for it (``code`` None: ok)."""
+
+    key: bytes
+    value: bytes | None
+    headers: list = field(default_factory=list)
+    code: ErrorCode | None = None
+    dead: bool = False
+    """Unreadable as a request: an error reply *and* a dead letter; never batched."""
+
+    @property
+    def batched(self) -> bool:
+        return not self.dead
+
+    @property
+    def record(self) -> tuple[bytes, bytes | None, list]:
+        return self.key, self.value, self.headers
+
+
+def _json(payload: object) -> bytes:
+    return orjson.dumps(payload)
+
+
+def unreadable_cases() -> list[Case]:
+    """Records the decoder rejects: error reply + dead letter, never batched."""
+    bad, large = ErrorCode.BAD_REQUEST, ErrorCode.PAYLOAD_TOO_LARGE
+    rows = [
+        ("malformed-json", b'{"n": 1,', [], bad),
+        ("trailing-garbage", b'{"n": 1} }', [], bad),
+        ("non-utf8", b'{"n": 1, "s": "\xff\xfe"}', [], bad),
+        ("utf8-bom", b'\xef\xbb\xbf{"n": 1}', [], bad),
+        ("lone-surrogate", b'{"n": 1, "s": "\\ud800"}', [], bad),
+        ("nan-literal", b'{"n": NaN}', [], bad),
+        ("infinite-number", b'{"n": 1e400}', [], bad),
+        ("nested-2000", b"[" * 2000 + b"]" * 2000, [], bad),
+        ("nul-byte", b"\x00", [], bad),
+        ("empty", b"", [], bad),
+        ("tombstone", None, [], bad),
+        ("oversized-value", _json({"n": 1, "pad": "x" * MAX_REQUEST_BYTES}), [], large),
+        ("oversized-header", b'{"n": 1}', [("x-pad", b"x" * (MAX_HEADER_BYTES + 1))], large),
+        ("many-headers", b'{"n": 1}', [(f"h{i}", b"v") for i in range(MAX_HEADER_BYTES // 3)], large),
+        ("deadline-not-a-number", b'{"n": 1}', [(protocol.DEADLINE_MS, b"soon")], bad),
+        ("deadline-not-ascii", b'{"n": 1}', [(protocol.DEADLINE_MS, "١٢٣".encode())], bad),
+        ("correlation-not-utf8", b'{"n": 1}', [(protocol.CORRELATION_ID, b"\xff\xfe")], bad),
+        ("correlation-empty", b'{"n": 1}', [(protocol.CORRELATION_ID, b"")], bad),
+        ("correlation-too-long", b'{"n": 1}', [(protocol.CORRELATION_ID, b"c" * 257)], bad),
+        ("reply-to-illegal", b'{"n": 1}', [(protocol.REPLY_TO, b"no such topic!")], bad),
+        ("reply-to-dotdot", b'{"n": 1}', [(protocol.REPLY_TO, b"..")], bad),
+        ("spring-topic-not-utf8", b'{"n": 1}', [(protocol.SPRING_REPLY_TOPIC, b"\xc3\x28")], bad),
+        ("spring-partition-short", b'{"n": 1}', [(protocol.SPRING_REPLY_PARTITION, b"\x01")], bad),
+        ("spring-partition-negative", b'{"n": 1}', [(protocol.SPRING_REPLY_PARTITION, struct.pack(">i", -1))], bad),
+    ]
+    return [Case(key.encode(), value, headers, code, dead=True) for key, value, headers, code in rows]
+
+
+def batched_cases() -> list[Case]:
+    """Readable records: rejected or failed one by one inside the batch, or answered ok."""
+    bad, handler = ErrorCode.BAD_REQUEST, ErrorCode.HANDLER_ERROR
+    rows = [
+        # Wrong types and missing fields: the handler's validate rejects that request alone.
+        ("array", b"[1, 2]", bad),
+        ("null", b"null", bad),
+        ("string", b'"text"', bad),
+        ("missing-field", _json({"m": 1}), bad),
+        ("wrong-type", _json({"n": "1"}), bad),
+        ("bool-not-int", _json({"n": True}), bad),
+        # A handler that raises (or fails) on one item.
+        ("validate-raises", _json({"n": 1, "poison": "validate_crash"}), handler),
+        ("item-error-slot", _json({"n": 2, "poison": "item_error"}), bad),
+        ("result-unserialisable", _json({"n": 3, "poison": "unserialisable"}), handler),
+        ("result-too-deep", _json({"n": 4, "poison": "deep"}), handler),
+    ]
+    cases = [Case(key.encode(), value, [], code) for key, value, code in rows]
+    cases += [Case(f"valid-{i}".encode(), _json({"n": 100 + i}), [(protocol.CORRELATION_ID, f"v{i}".encode())])
+              for i in range(6)]
+    # Garbage that is no reason to refuse a request: unknown and empty names, binary values, None values
+    # of known headers (ignored), a repeated correlation id (the last wins).
+    cases += [
+        Case(b"noise-headers", _json({"n": 200}), [("x-binary", bytes(range(64))), ("", b""),
+                                                   (protocol.CORRELATION_ID, None), (protocol.DEADLINE_MS, None),
+                                                   (protocol.REPLY_TO, None), ("Kinfer-Reply-To", b"!!")]),
+        Case(b"repeated-correlation", _json({"n": 201}), [(protocol.CORRELATION_ID, b"first"),
+                                                          (protocol.CORRELATION_ID, b"second")]),
+    ]
+    return cases
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def serving(broker, topics: dict[str, str], handler, **overrides) -> Iterator[Service]:
+    config = service_config(broker.bootstrap_servers, topics, metrics_port=-1, **{**FAST_STOP, **overrides})
+    with Service(config, handler=handler) as service:
+        assert service.wait_ready(READY_S)
+        yield service
+
+
+def collect(service: Service, bootstrap: str, topic: str, count: int, timeout_s: float = 30.0,
+            settle_s: float = 1.0) -> list[Message]:
+    """Read ``topic`` until ``count`` records came, giving up early once a service thread has died."""
+    deadline = time.monotonic() + timeout_s
+    records: list[Message] = []
+    while time.monotonic() < deadline:
+        records = read(bootstrap, topic, count, timeout_s=min(2.0, deadline - time.monotonic()))
+        if len(records) >= count or not service.healthy:
+            break
+    if settle_s and len(records) >= count:
+        records = read(bootstrap, topic, count, settle_s=settle_s)  # duplicates would show up too
+    return records
+
+
+def by_key(records: list[Message]) -> dict[bytes, Message]:
+    counts = Counter(record.key() for record in records)
+    repeated = {key: n for key, n in counts.items() if n > 1}
+    assert not repeated, f"more than one record for {repeated}"
+    return {record.key(): record for record in records}
+
+
+def code_of(reply: Message) -> str | None:
+    """The reply's error code (None when ok), checked to agree between headers and value."""
+    headers, body = headers_of(reply), orjson.loads(reply.value())
+    if headers[protocol.STATUS] == b"ok":
+        assert "result" in body and protocol.ERROR_CODE not in headers
+        return None
+    assert headers[protocol.STATUS] == b"error"
+    assert body["error"]["code"] == headers[protocol.ERROR_CODE].decode() and body["error"]["message"]
+    return body["error"]["code"]
+
+
+def ask_ok(service: Service, bootstrap: str, topics: dict[str, str], n: int = 999) -> float:
+    """A valid request after the poison: answered ok (seconds it took)."""
+    key = f"after-{uuid.uuid4().hex[:6]}".encode()
+    started = time.monotonic()
+    produce(bootstrap, topics["requests"], [(key, _json({"n": n}), [])])
+    deadline = started + 20
+    while time.monotonic() < deadline:
+        replies = {m.key(): m for m in read(bootstrap, topics["replies"], 1 << 30, timeout_s=0.5)}
+        if key in replies:
+            assert code_of(replies[key]) is None, replies[key].value()
+            return time.monotonic() - started
+        assert service.healthy, f"a service thread died: {service.health_checks()}"
+    raise AssertionError("a valid request after the poison got no reply within 20 s")
+
+
+def check_dead_letters(dead: list[Message], cases: list[Case], topic: str) -> None:
+    letters = by_key(dead)
+    expected = {case.key: case for case in cases if case.dead}
+    assert set(letters) == set(expected), f"dead letters {sorted(letters)} != {sorted(expected)}"
+    for key, letter in letters.items():
+        case, headers = expected[key], headers_of(letter)
+        assert headers[protocol.ERROR_CODE] == str(case.code).encode(), key
+        assert headers[protocol.ERROR_MESSAGE] and headers[protocol.SOURCE_TOPIC] == topic.encode()
+        assert int(headers[protocol.SOURCE_OFFSET]) >= 0 and headers[protocol.SOURCE_PARTITION] == b"0"
+        assert (letter.value() or b"") == (case.value or b""), f"{key}: the original value is kept"
+        assert letter.headers()[: len(case.headers)] == case.headers, f"{key}: the original headers are kept"
+
+
+# --- tests --------------------------------------------------------------------------------------
+
+
+def test_each_poison_record_gets_one_error_reply_and_its_batch_neighbours_succeed(broker):
+    topics = broker.topics(requests=1, replies=1, dead=1)
+    cases = unreadable_cases() + batched_cases()
+    cases.sort(key=lambda case: case.key)  # poison interleaved with valid requests, in one deterministic order
+    batched = [case for case in cases if case.batched]
+    handler = Poison()
+    with serving(broker, topics, handler, batch_policy="static", max_batch_size=len(batched),
+                 max_batch_delay_ms=1500, max_request_bytes=MAX_REQUEST_BYTES,
+                 max_header_bytes=MAX_HEADER_BYTES) as service:
+        produce(broker.bootstrap_servers, topics["requests"], [case.record for case in cases],
+                **{"enable.idempotence": True})
+        replies = by_key(collect(service, broker.bootstrap_servers, topics["replies"], len(cases)))
+        dead = read(broker.bootstrap_servers, topics["dead"], len(unreadable_cases()), settle_s=0.5)
+        assert service.healthy, service.health_checks()
+        ask_ok(service, broker.bootstrap_servers, topics)
+
+    assert set(replies) == {case.key for case in cases}, "exactly one reply per request"
+    for case in cases:
+        reply = replies[case.key]
+        assert code_of(reply) == (str(case.code) if case.code else None), (case.key, reply.value())
+        headers = headers_of(reply)
+        if case.batched:  # all of them in the one batch of len(batched)
+            assert headers[protocol.BATCH_SIZE] == str(len(batched)).encode(), case.key
+        else:
+            assert protocol.BATCH_SIZE not in headers, f"{case.key}: unreadable records are never batched"
+        if case.code is None:
+            assert orjson.loads(reply.value()) == {"result": orjson.loads(case.value)}
+    assert headers_of(replies[b"repeated-correlation"])[protocol.CORRELATION_ID] == b"second"
+    check_dead_letters(dead, cases, topics["requests"])
+    # The handler computed one batch: every item that passed validate, in offset order.
+    validated = [orjson.loads(case.value) for case in batched
+                 if case.code is None or case.key in (b"item-error-slot", b"result-unserialisable",
+                                                      b"result-too-deep")]
+    assert handler.record.preprocessed[0] == validated
+    assert handler.record.inferred[0] == validated
+
+
+def test_a_failing_micro_batch_fails_alone_and_the_rest_of_its_batch_succeeds(broker):
+    """preprocess or inference raising, or postprocess returning the wrong number (or a non-list) of
+    results, fails the requests of that micro-batch with handler_error; the batch's other micro-batches
+    are answered ok."""
+    topics = broker.topics(requests=1, replies=1, dead=1)
+    faults = ["batch_crash", "wrong_count", "preprocess_crash", "not_a_list", None]
+    messages = {"batch_crash": "inference failed", "wrong_count": "3 results for 4 requests",
+                "preprocess_crash": "preprocess failed", "not_a_list": "returned dict results for 4 requests"}
+    records, expected = [], {}
+    for part, fault in enumerate(faults):  # micro-batch `part` = offsets 4*part .. 4*part+3
+        for i in range(4):
+            n = 4 * part + i
+            payload = {"n": n, "poison": fault} if i == 0 and fault else {"n": n}
+            records.append((f"r{n:02d}".encode(), _json(payload), []))
+            expected[f"r{n:02d}".encode()] = fault
+    handler = Poison()
+    with serving(broker, topics, handler, batch_policy="static", max_batch_size=len(records),
+                 max_batch_delay_ms=1500, micro_batch_size=4) as service:
+        produce(broker.bootstrap_servers, topics["requests"], records, **{"enable.idempotence": True})
+        replies = by_key(collect(service, broker.bootstrap_servers, topics["replies"], len(records)))
+        assert service.healthy, service.health_checks()
+        ask_ok(service, broker.bootstrap_servers, topics)
+
+    assert set(replies) == set(expected)
+    for key, fault in expected.items():
+        reply = replies[key]
+        assert headers_of(reply)[protocol.BATCH_SIZE] == str(len(records)).encode(), "one batch of 20"
+        if fault is None:
+            assert code_of(reply) is None, key
+        else:
+            assert code_of(reply) == "handler_error", key
+            assert messages[fault] in orjson.loads(reply.value())["error"]["message"], key
+    assert read(broker.bootstrap_servers, topics["dead"], 1, timeout_s=1.0) == [], "handler errors are no dead letters"
+
+
+# JSON has no NaN or infinity; orjson would write null and the reply would look fine.
+def test_non_finite_numbers_in_a_result_fail_that_request_with_handler_error(broker):
+    topics = broker.topics(requests=1, replies=1, dead=1)
+    faults = ["nan", "inf", "-inf", "np_nan"]
+    records = [(f.encode(), _json({"n": i, "poison": f}), []) for i, f in enumerate(faults)]
+    records += [(f"ok-{i}".encode(), _json({"n": 10 + i}), []) for i in range(2)]
+    with serving(broker, topics, Poison(), batch_policy="static", max_batch_size=len(records),
+                 max_batch_delay_ms=1500) as service:
+        produce(broker.bootstrap_servers, topics["requests"], records, **{"enable.idempotence": True})
+        replies = by_key(collect(service, broker.bootstrap_servers, topics["replies"], len(records)))
+        assert service.healthy
+    assert {key: code_of(reply) for key, reply in replies.items()} == {
+        b"nan": "handler_error", b"inf": "handler_error", b"-inf": "handler_error", b"np_nan": "handler_error",
+        b"ok-0": None, b"ok-1": None,
+    }
+
+
+# Producer.produce() refuses some records at once (MSG_SIZE_TOO_LARGE, _UNKNOWN_PARTITION, _UNKNOWN_TOPIC);
+# each must end as an error reply or a dead letter, never as a dead publisher thread.
+@pytest.mark.parametrize("fault", ["reply-too-large", "dead-letter-too-large", "reply-partition-out-of-range"])
+def test_a_reply_or_dead_letter_the_producer_refuses_does_not_kill_the_service(broker, fault):
+    topics = broker.topics(requests=1, replies=1, dead=1)
+    limits = {"max_request_bytes": MAX_REQUEST_BYTES} if fault == "dead-letter-too-large" else {}
+    if fault == "reply-partition-out-of-range":
+        poison = (b"poison", _json({"n": 1}), [(protocol.SPRING_REPLY_PARTITION, struct.pack(">i", 5))])
+    else:  # a valid request just under the client's 1000000-byte limit: its echo reply is over it
+        poison = (b"poison", _json({"n": 1, "pad": "a" * 999_900}), [])
+    answered = fault != "reply-partition-out-of-range"  # else no reply can reach the client
+    with serving(broker, topics, Poison(), **limits) as service:
+        ask_ok(service, broker.bootstrap_servers, topics, n=0)  # the reply topic's metadata is now cached
+        produce(broker.bootstrap_servers, topics["requests"], [poison, (b"neighbour", _json({"n": 2}), [])])
+        replies = by_key(collect(service, broker.bootstrap_servers, topics["replies"], 2 + answered, timeout_s=20))
+        assert service.healthy, f"a service thread died: {service.health_checks()}"
+        wait_s = 3 if fault == "reply-too-large" else 10  # a dead letter is not promised for it
+        dead = by_key(read(broker.bootstrap_servers, topics["dead"], 1, timeout_s=wait_s))
+        assert code_of(replies[b"neighbour"]) is None
+        if fault == "reply-too-large":  # answered with an error the client can read
+            assert code_of(replies[b"poison"]) in KNOWN_CODES
+        elif fault == "dead-letter-too-large":
+            assert code_of(replies[b"poison"]) == "payload_too_large"
+            assert headers_of(dead[b"poison"])[protocol.ERROR_CODE] == b"payload_too_large"
+        else:  # no reply can be delivered: the request goes to the dead-letter topic
+            assert headers_of(dead[b"poison"])[protocol.ERROR_CODE] == b"internal_error"
+        ask_ok(service, broker.bootstrap_servers, topics)
+
+
+# --- a reply-to topic that does not exist -------------------------------------------------------
+
+# kinfer's producer asks the broker not to create topics, and gives up on an unknown one after 1 s
+# (librdkafka waits topic.metadata.propagation.max.ms, 30 s by default, before failing the reply).
+NO_AUTO_CREATE = {"allow.auto.create.topics": "false", "topic.metadata.propagation.max.ms": "1000"}
+
+
+def require_no_auto_create(broker) -> None:
+    """Skip unless a produce to a missing topic fails on this broker (with ``NO_AUTO_CREATE``).
+
+    Apache Kafka honours the client's allow_auto_topic_creation=false whatever auto.create.topics.enable
+    says (the testcontainers broker leaves it on). Tansu 0.6 honours it too for a producer (measured:
+    the produce fails with UNKNOWN_TOPIC_OR_PART and no topic appears), so this runs on both.
+    """
+    topic = f"missing-{uuid.uuid4().hex[:10]}"
+    errors: list = []
+    producer = Producer({"bootstrap.servers": broker.bootstrap_servers, **NO_AUTO_CREATE})
+    producer.produce(topic, b"probe", on_delivery=lambda err, _msg: errors.append(err))
+    producer.flush(15)
+    refused = bool(errors) and errors[0] is not None  # (a KafkaError must not be compared with None)
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap_servers})
+    if refused and topic not in admin.list_topics(timeout=10).topics:
+        return
+    pytest.skip(f"the {broker.kind} broker created topic {topic} on produce although the client asked it not "
+                "to: an unknown reply-to topic cannot be shown here (try KINFER_TEST_BROKER=kafka)")
+
+
+def test_an_unknown_reply_to_topic_sends_the_request_to_the_dead_letter_topic(broker):
+    """The reply cannot be delivered, so the request goes to the dead-letter topic with internal_error
+    (docs/protocol.md); its neighbour is answered; kinfer does not create the topic."""
+    require_no_auto_create(broker)
+    topics = broker.topics(requests=1, replies=1, dead=1)
+    missing = f"missing-{uuid.uuid4().hex[:10]}"
+    poison = (b"poison", _json({"n": 1}), [(protocol.REPLY_TO, missing.encode()), (protocol.CORRELATION_ID, b"c1")])
+    with serving(broker, topics, Poison(), kafka_producer=NO_AUTO_CREATE) as service:
+        produce(broker.bootstrap_servers, topics["requests"], [poison, (b"neighbour", _json({"n": 2}), [])])
+        dead = by_key(collect(service, broker.bootstrap_servers, topics["dead"], 1, timeout_s=20))
+        replies = by_key(read(broker.bootstrap_servers, topics["replies"], 1, settle_s=0.5))
+        assert service.healthy, service.health_checks()
+        ask_ok(service, broker.bootstrap_servers, topics)
+    assert set(dead) == {b"poison"} and code_of(replies[b"neighbour"]) is None and b"poison" not in replies
+    headers = headers_of(dead[b"poison"])
+    assert headers[protocol.ERROR_CODE] == b"internal_error"
+    assert missing.encode() in headers[protocol.ERROR_MESSAGE] and headers[protocol.CORRELATION_ID] == b"c1"
+    assert dead[b"poison"].value() == poison[1]
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap_servers})
+    assert missing not in admin.list_topics(timeout=10).topics, "kinfer must not have created the topic"
+
+
+def test_a_second_request_to_the_same_unknown_reply_to_topic_is_dead_lettered_too(broker):
+    require_no_auto_create(broker)
+    topics = broker.topics(requests=1, replies=1, dead=1)
+    to_missing = [(protocol.REPLY_TO, f"missing-{uuid.uuid4().hex[:10]}".encode())]
+    with serving(broker, topics, Poison(), kafka_producer=NO_AUTO_CREATE) as service:
+        produce(broker.bootstrap_servers, topics["requests"], [(b"first", _json({"n": 1}), to_missing)])
+        collect(service, broker.bootstrap_servers, topics["dead"], 1, timeout_s=20, settle_s=0)
+        produce(broker.bootstrap_servers, topics["requests"], [(b"second", _json({"n": 2}), to_missing)])
+        dead = by_key(collect(service, broker.bootstrap_servers, topics["dead"], 2, timeout_s=10))
+        assert service.healthy, f"a service thread died: {service.health_checks()}"
+        assert set(dead) == {b"first", b"second"}
+        assert {headers_of(m)[protocol.ERROR_CODE] for m in dead.values()} == {b"internal_error"}
+        ask_ok(service, broker.bootstrap_servers, topics)
+
+
+# --- the real process ---------------------------------------------------------------------------
+
+
+def test_kinfer_serve_process_survives_poison_and_keeps_answering(fault_settings):
+    """Every readable-or-not poison record through a real ``kinfer serve`` (greedy batching): the
+    process keeps running, answers each record once with its code, and stops cleanly on SIGTERM."""
+    settings = fault_settings(1)
+    cases = unreadable_cases() + batched_cases()
+    extra = ["--handler", "tests.faults.poison_handlers:Poison", "--max-request-bytes", str(MAX_REQUEST_BYTES),
+             "--max-header-bytes", str(MAX_HEADER_BYTES), "--shutdown-grace-s", "10"]
+    with Group(settings) as group:
+        member = group.start(extra=extra)
+        group.wait_stable(60)
+        for _round in range(2):  # the same poison twice: nothing about it accumulates
+            produce(settings.bootstrap, settings.topics["requests"], [case.record for case in cases])
+        produce(settings.bootstrap, settings.topics["requests"], [(b"after", _json({"n": 1}), [])])
+        replies = read(settings.bootstrap, settings.topics["replies"], 2 * len(cases) + 1, settle_s=1.0)
+        dead = read(settings.bootstrap, settings.topics["dead"], 2 * len(unreadable_cases()), settle_s=0.5)
+        assert member.running, member.tail()
+        member.terminate()
+        assert member.wait_exit(30) == 0, member.tail()
+    counts = Counter(reply.key() for reply in replies)
+    assert counts == Counter({**{case.key: 2 for case in cases}, b"after": 1}), "one reply per request"
+    expected = {case.key: str(case.code) if case.code else None for case in cases} | {b"after": None}
+    assert {reply.key(): code_of(reply) for reply in replies} == expected
+    assert Counter(letter.key() for letter in dead) == Counter({case.key: 2 for case in cases if case.dead})
+    assert not any("died" in line for line in member.lines), member.tail()
