@@ -62,8 +62,8 @@ class Source:
         self.assigned = threading.Event()
         self.paused = False
         self.broker_up = False
-        self._group_metadata: Any = None
         """Some broker connection is up (librdkafka statistics; also set by a successful assignment)."""
+        self._group_metadata: Any = None
         self._next_commit = 0.0
 
     def start(self) -> None:
