@@ -1,4 +1,4 @@
-"""``kinfer`` command line: ``serve``, ``broker``, ``loadgen`` and ``demo``.
+"""``kinfer`` command line: ``serve``, ``broker``, ``loadgen``, ``demo`` and ``bench``.
 
 ``serve`` has one flag per ``ServiceConfig`` field, generated from the model so flags, env vars,
 YAML keys and docs never drift apart: ``--max-batch-size`` <-> ``KINFER_MAX_BATCH_SIZE`` <->
@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from loadgen.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
@@ -66,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("loadgen", help="drive load at a running service and report (see kinfer loadgen -h)",
                         add_help=False)
     commands.add_parser("demo", help="broker + service + bundled model + load sweep, one command",
+                        add_help=False)
+    commands.add_parser("bench", help="every scenario side by side on one embedded broker (see kinfer bench -h)",
                         add_help=False)
     return parser
 

@@ -1,0 +1,615 @@
+"""``kinfer bench``: every contender in one run, on the same embedded broker, model and corpus.
+
+The scenarios (``SCENARIOS``; docs/benchmarks.md says what each one is):
+
+- ceilings: the handler alone in this process (``inproc-fifo``, ``inproc-grouped``: texts batched in
+  corpus order or sorted by length, at the best of a few batch sizes), and the plain consume ->
+  produce ``relay`` (transport ceiling, echo payloads) beside kinfer's echo handler (``kinfer-echo``);
+- baselines written the way users write them (``loadgen.baselines``): ``per-message``,
+  ``torchserve-b8`` and ``torchserve-b32`` (static batching, 50 ms delay, stages one after another);
+- kinfer settings: data in ``KINFER_SETTINGS``, a name plus ``ServiceConfig`` overrides.
+
+Each Kafka scenario gets its own topics and consumer group and is measured by the load generator
+(``loadgen.runner``) in closed loop at each concurrency, on each corpus. Throughput in the tables is
+``steady_rps``: requests completed per second *inside* the measured window (in a closed loop every
+measured send follows a completion in the window, so it is ``sent / duration``); the load
+generator's own ``throughput_rps``, which the final drain lowers, stays in each run's report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import itertools
+import logging
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import orjson
+from pydantic import ValidationError
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from consumer.broker import EmbeddedBroker, create_topics
+from consumer.config import ServiceConfig
+from consumer.errors import KinferError
+from consumer.service import Service, resolve_device
+from handlers import Handler, HandlerContext, load_handler
+from loadgen.baselines import TRANSPORT_CONSUMER, LoopThread, MiniLM, PerMessageLoop, Relay, StaticBatchLoop
+from loadgen.cli import concurrency_list
+from loadgen.client import KinferClient
+from loadgen.corpus import PROFILES, builtin_corpus
+from loadgen.errors import ClientError
+from loadgen.live import ProgressView
+from loadgen.plot import plot_sweep
+from loadgen.report import percentiles
+from loadgen.runner import LoadPlan, RunResult, run_sweep
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["ceiling", "transport", "baseline", "kinfer"]
+Topics = dict[str, str]
+
+
+@dataclass(frozen=True)
+class KinferSetting:
+    """One kinfer configuration to measure: a name and the ``ServiceConfig`` fields it changes."""
+
+    name: str
+    overrides: dict[str, Any]
+    about: str
+
+
+KINFER_SETTINGS: tuple[KinferSetting, ...] = (
+    KinferSetting("kinfer-greedy", {}, "kinfer's defaults: greedy batching, max batch 32"),
+    KinferSetting("kinfer-static", {"batch_policy": "static", "max_batch_delay_ms": 50.0},
+                  "kinfer's static policy (TorchServe semantics, 50 ms) with its threaded stages"),
+    # The adaptive policy and the token budget, once ServiceConfig has them, are one line each, e.g.
+    # KinferSetting("kinfer-adaptive", {"batch_policy": "adaptive"}, "..."),
+)
+DEFAULT_SETTING = "kinfer-greedy"
+"""The setting the targets judge: kinfer as it runs with no options."""
+
+STATIC_DELAY_MS = 50.0
+_SERVE_KAFKA = {key: TRANSPORT_CONSUMER[key] for key in ("session.timeout.ms", "heartbeat.interval.ms")}
+_READY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A contender. ``serve`` (Kafka scenarios) is a context manager that runs it on the given topics
+    until exit; in-process ceilings have ``order`` instead."""
+
+    name: str
+    kind: Kind
+    about: str
+    serve: Callable[[Bench, Topics], AbstractContextManager[object]] | None = None
+    order: Literal["fifo", "grouped"] | None = None
+    uses_model: bool = True
+
+
+def _kinfer(overrides: dict[str, Any], handler: str = "embedding") -> Callable[[Bench, Topics], Any]:
+    @contextmanager
+    def serve(bench: Bench, topics: Topics) -> Iterator[object]:
+        config = ServiceConfig(
+            bootstrap_servers=bench.bootstrap_servers, request_topics=[topics["requests"]],
+            reply_topic=topics["replies"], dead_letter_topic=topics["dead"],
+            group_id=f"bench-{topics['requests']}", handler=handler, kafka_consumer=_SERVE_KAFKA,
+            metrics_port=-1, shutdown_grace_s=5.0, **overrides)
+        with Service(config) as service:
+            _ready(service.wait_ready(_READY_TIMEOUT_S), config.group_id)
+            yield service
+
+    return serve
+
+
+def _loop(make: Callable[[Bench, Topics], LoopThread]) -> Callable[[Bench, Topics], Any]:
+    @contextmanager
+    def serve(bench: Bench, topics: Topics) -> Iterator[object]:
+        with make(bench, topics) as loop:
+            _ready(loop.wait_ready(_READY_TIMEOUT_S), loop.group_id)
+            yield loop
+
+    return serve
+
+
+def _ready(ready: bool, group: str) -> None:
+    if not ready:
+        raise KinferError(f"consumer group {group} got no partitions within {_READY_TIMEOUT_S:.0f} s")
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("inproc-fifo", "ceiling", "the handler's preprocess/inference/postprocess in a loop, corpus order",
+             order="fifo"),
+    Scenario("inproc-grouped", "ceiling", "the same with the corpus sorted by length before batching",
+             order="grouped"),
+    Scenario("relay", "transport", "plain confluent-kafka consume -> produce, values echoed",
+             serve=_loop(lambda b, t: Relay(b.bootstrap_servers, t["requests"])), uses_model=False),
+    Scenario("kinfer-echo", "transport", "kinfer (defaults) with the echo handler",
+             serve=_kinfer({}, handler="echo"), uses_model=False),
+    Scenario("per-message", "baseline", "poll one record, embed it, produce the reply",
+             serve=_loop(lambda b, t: PerMessageLoop(b.bootstrap_servers, t["requests"], b.minilm()))),
+    *(Scenario(f"torchserve-b{size}", "baseline",
+               f"static batching (batch {size}, {STATIC_DELAY_MS:g} ms), stages one after another, one thread",
+               serve=_loop(lambda b, t, size=size: StaticBatchLoop(b.bootstrap_servers, t["requests"], b.minilm(),
+                                                                   size, STATIC_DELAY_MS)))
+      for size in (8, 32)),
+    *(Scenario(setting.name, "kinfer", setting.about, serve=_kinfer(setting.overrides))
+      for setting in KINFER_SETTINGS),
+)
+SCENARIO_NAMES = tuple(scenario.name for scenario in SCENARIOS)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    concurrency: tuple[int, ...] = (1, 4, 16, 64, 256)
+    corpora: tuple[str, ...] = ("mixed", "short")
+    duration_s: float = 3.0
+    warmup_s: float = 1.0
+    timeout_s: float = 30.0
+    scenarios: tuple[Scenario, ...] = SCENARIOS
+    ceiling_batch_sizes: tuple[int, ...] = (1, 8, 32)
+    seed: int = 0
+    progress: bool = True
+    command: str = "kinfer bench"
+
+    def settings(self) -> dict[str, Any]:
+        return {"concurrency": list(self.concurrency), "corpora": list(self.corpora), "duration_s": self.duration_s,
+                "warmup_s": self.warmup_s, "timeout_s": self.timeout_s, "seed": self.seed,
+                "ceiling_batch_sizes": list(self.ceiling_batch_sizes), "default_setting": DEFAULT_SETTING,
+                "scenarios": [s.name for s in self.scenarios]}
+
+
+@dataclass
+class Bench:
+    """One bench run: owns the broker and the models it loads, and stops them at the end."""
+
+    options: BenchOptions
+    console: Console
+    bootstrap_servers: str = ""
+    began: float = field(default_factory=time.monotonic)
+    _minilm: MiniLM | None = field(default=None, init=False, repr=False)
+
+    def minilm(self) -> MiniLM:
+        """The user-style baselines' model, loaded once."""
+        if self._minilm is None:
+            self._minilm = MiniLM()
+        return self._minilm
+
+    def run(self) -> dict[str, Any]:
+        options = self.options
+        load_before = _loadavg()
+        started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        payloads = {corpus: builtin_corpus(corpus, seed=options.seed) for corpus in options.corpora}
+        ceilings = self._ceilings(payloads)
+        runs = self._kafka_runs(payloads)
+        report = {
+            "command": options.command, "started": started, "wall_s": round(time.monotonic() - self.began, 1),
+            "machine": {**_machine(), "loadavg_start": load_before, "loadavg_end": _loadavg()},
+            "settings": options.settings(),
+            "scenarios": [{"name": s.name, "kind": s.kind, "about": s.about} for s in options.scenarios],
+            "ceilings": ceilings, "runs": runs,
+        }
+        report["targets"] = evaluate_targets(report)
+        return report
+
+    def _ceilings(self, payloads: dict[str, list[dict[str, str]]]) -> list[dict[str, Any]]:
+        chosen = [s for s in self.options.scenarios if s.order is not None]
+        if not chosen:
+            return []
+        self._step("loading the embedding handler for the in-process ceilings")
+        handler = load_handler("embedding")
+        handler.setup(HandlerContext(device=resolve_device("auto")))
+        handler.warm_up()
+        rows = []
+        try:
+            for scenario in chosen:
+                for corpus, values in payloads.items():
+                    self._step(f"{scenario.name} on the {corpus} corpus")
+                    assert scenario.order is not None
+                    rows.append({"scenario": scenario.name, "corpus": corpus,
+                                 **measure_ceiling(handler, [v["text"] for v in values], scenario.order,
+                                                   self.options.ceiling_batch_sizes, self.options.duration_s)})
+        finally:
+            handler.close()
+        return rows
+
+    def _kafka_runs(self, payloads: dict[str, list[dict[str, str]]]) -> list[dict[str, Any]]:
+        chosen = [s for s in self.options.scenarios if s.serve is not None]
+        if not chosen:
+            return []
+        rows: list[dict[str, Any]] = []
+        self._step("starting the embedded broker")
+        with EmbeddedBroker() as broker:
+            self.bootstrap_servers = broker.bootstrap_servers
+            for scenario in chosen:
+                rows += self._measure(scenario, payloads)
+        return rows
+
+    def _measure(self, scenario: Scenario, payloads: dict[str, list[dict[str, str]]]) -> list[dict[str, Any]]:
+        options = self.options
+        suffix = uuid.uuid4().hex[:8]
+        topics = {role: f"bench-{scenario.name}-{role}-{suffix}" for role in ("requests", "replies", "dead")}
+        create_topics(self.bootstrap_servers, {topics["requests"]: 4, topics["replies"]: 4, topics["dead"]: 1})
+        plan = LoadPlan(concurrency=options.concurrency[0], duration_s=options.duration_s,
+                        warmup_s=options.warmup_s, timeout_s=options.timeout_s, seed=options.seed)
+        rows = []
+        self._step(f"{scenario.name}: starting")
+        assert scenario.serve is not None
+        with scenario.serve(self, topics), KinferClient(self.bootstrap_servers, topics["requests"],
+                                                         topics["replies"], timeout_s=options.timeout_s) as client:
+            for corpus, values in payloads.items():
+                self._step(f"{scenario.name} on the {corpus} corpus, concurrency {list(options.concurrency)}")
+                with ProgressView(self.console, enabled=options.progress) as view:
+                    results = asyncio.run(run_sweep(client, plan, options.concurrency, values, view))
+                rows += [run_row(scenario, corpus, result) for result in results]
+        return rows
+
+    def _step(self, text: str) -> None:
+        self.console.print(f"[dim]{time.monotonic() - self.began:6.1f} s[/dim]  {text}")
+
+
+def run_row(scenario: Scenario, corpus: str, result: RunResult) -> dict[str, Any]:
+    """The load generator's report of one run, with the scenario, the corpus and ``steady_rps``."""
+    report = result.report()
+    duration = result.plan.duration_s or 0.0
+    return {"scenario": scenario.name, "kind": scenario.kind, "corpus": corpus,
+            "steady_rps": round(report["sent"] / duration, 3) if duration else None, **report}
+
+
+def measure_ceiling(handler: Handler, texts: Sequence[str], order: Literal["fifo", "grouped"],
+                    batch_sizes: Sequence[int], seconds: float) -> dict[str, Any]:
+    """Items per second of ``handler`` called directly (preprocess, inference, postprocess) at each batch
+    size for about ``seconds``, batching ``texts`` in their order or sorted by length; and the latency
+    of one-item calls (with batch size 1 among ``batch_sizes``)."""
+    items = sorted(texts, key=len) if order == "grouped" else list(texts)
+    rates: dict[str, float] = {}
+    single_ms: list[float] = []
+    for size in batch_sizes:
+        batches = [items[i:i + size] for i in range(0, len(items), size)]
+        handler.postprocess(handler.inference(handler.preprocess(batches[0])), batches[0])  # warm this shape
+        done, began = 0, time.monotonic()
+        deadline = began + seconds
+        for index in itertools.count():
+            batch = batches[index % len(batches)]
+            start = time.monotonic()
+            handler.postprocess(handler.inference(handler.preprocess(batch)), batch)
+            now = time.monotonic()
+            done += len(batch)
+            if size == 1:
+                single_ms.append((now - start) * 1000)
+            if now >= deadline:
+                break
+        rates[str(size)] = round(done / (time.monotonic() - began), 2)
+    best = max(rates, key=rates.__getitem__)
+    return {"items_per_s": rates, "best_batch_size": int(best), "best_items_per_s": rates[best],
+            "batch1_latency_ms": percentiles(single_ms)}
+
+
+# --- targets (the issue's, as ratios within this run)
+
+def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target the run has the scenarios for: what was measured, the limit, and whether it is met."""
+    runs = {(r["scenario"], r["corpus"], r["concurrency"]): r for r in report["runs"]}
+    ceilings = {(c["scenario"], c["corpus"]): c for c in report["ceilings"]}
+    settings = report["settings"]
+    top = max(settings["concurrency"])
+    names = settings["scenarios"]
+    contenders = [s["name"] for s in report["scenarios"] if s["kind"] in ("baseline", "kinfer")
+                  and s["name"] != DEFAULT_SETTING]
+    targets: list[dict[str, Any]] = []
+
+    def add(text: str, corpus: str, concurrency: int | None, value: float, limit: float, higher: bool,
+            detail: str) -> None:
+        met = value >= limit if higher else value <= limit
+        targets.append({"target": text, "corpus": corpus, "concurrency": concurrency, "value": round(value, 3),
+                        "limit": round(limit, 3), "met": bool(met), "detail": detail})
+
+    for corpus in settings["corpora"]:
+        default = {c: runs.get((DEFAULT_SETTING, corpus, c)) for c in settings["concurrency"]}
+        at_top = default[top]
+        grouped, fifo = ceilings.get(("inproc-grouped", corpus)), ceilings.get(("inproc-fifo", corpus))
+        if at_top and corpus == "mixed" and grouped:
+            add(">= 0.9x the length-grouped in-process ceiling", corpus, top,
+                at_top["steady_rps"] / grouped["best_items_per_s"], 0.9, True,
+                f"{at_top['steady_rps']:.1f} vs {grouped['best_items_per_s']:.1f} items/s "
+                f"(batch {grouped['best_batch_size']})")
+        static = [runs[(n, corpus, top)] for n in names if n.startswith("torchserve-") and (n, corpus, top) in runs]
+        if at_top and corpus == "mixed" and static:
+            best = max(static, key=lambda r: r["steady_rps"])
+            add(">= 2x static FIFO batching (best of the TorchServe baselines)", corpus, top,
+                at_top["steady_rps"] / max(best["steady_rps"], 1e-9), 2.0, True,
+                f"{at_top['steady_rps']:.1f} vs {best['scenario']} {best['steady_rps']:.1f} replies/s")
+        inproc = [c for c in (grouped, fifo) if c]
+        if at_top and corpus == "short" and inproc:
+            best_ceiling = max(inproc, key=lambda c: c["best_items_per_s"])
+            add(">= 0.9x the best in-process ceiling", corpus, top,
+                at_top["steady_rps"] / best_ceiling["best_items_per_s"], 0.9, True,
+                f"{at_top['steady_rps']:.1f} vs {best_ceiling['scenario']} {best_ceiling['best_items_per_s']:.1f}")
+        one = default.get(1)
+        if one and fifo and fifo["batch1_latency_ms"]["p50"] is not None:
+            batch1 = fifo["batch1_latency_ms"]["p50"]
+            add("concurrency 1: p50 <= 1.2x in-process batch-1 latency + 5 ms", corpus, 1,
+                one["latency_ms"]["p50"], 1.2 * batch1 + 5, False,
+                f"p50 {one['latency_ms']['p50']:.1f} ms; batch-1 in-process p50 {batch1:.1f} ms")
+        for concurrency, mine in default.items():
+            others = [runs[(n, corpus, concurrency)] for n in contenders if (n, corpus, concurrency) in runs]
+            if not mine or not others:
+                continue
+            fastest = max(others, key=lambda r: r["steady_rps"])
+            add("no other setting is more than 5% faster", corpus, concurrency,
+                fastest["steady_rps"] / max(mine["steady_rps"], 1e-9), 1.05, False,
+                f"{fastest['scenario']} {fastest['steady_rps']:.1f} vs {mine['steady_rps']:.1f} replies/s")
+            tightest = min(others, key=lambda r: r["latency_ms"]["p99"] or math.inf)
+            if tightest["latency_ms"]["p99"] and mine["latency_ms"]["p99"]:
+                add("p99 <= 1.2x the lowest p99 of the others", corpus, concurrency,
+                    mine["latency_ms"]["p99"] / tightest["latency_ms"]["p99"], 1.2, False,
+                    f"{mine['latency_ms']['p99']:.1f} ms vs {tightest['scenario']} "
+                    f"{tightest['latency_ms']['p99']:.1f} ms")
+        echo, relay = runs.get(("kinfer-echo", corpus, top)), runs.get(("relay", corpus, top))
+        if echo and relay:
+            add("echo handler >= 0.5x the relay", corpus, top, echo["steady_rps"] / max(relay["steady_rps"], 1e-9),
+                0.5, True, f"{echo['steady_rps']:.0f} vs {relay['steady_rps']:.0f} replies/s")
+    return targets
+
+
+# --- output: tables, markdown, plot
+
+def _grid(report: dict[str, Any], corpus: str, cell: Callable[[dict[str, Any]], str]) -> list[list[str]]:
+    """One row per Kafka scenario, one column per concurrency."""
+    runs = {(r["scenario"], r["concurrency"]): r for r in report["runs"] if r["corpus"] == corpus}
+    rows = []
+    for name in dict.fromkeys(r["scenario"] for r in report["runs"]):
+        rows.append([name, *(cell(runs[(name, c)]) if (name, c) in runs else "-"
+                             for c in report["settings"]["concurrency"])])
+    return rows
+
+
+def _rps(run: dict[str, Any]) -> str:
+    flag = "" if run["ok"] == run["sent"] else "*"
+    return f"{run['steady_rps']:.0f}{flag}" if run["steady_rps"] >= 100 else f"{run['steady_rps']:.1f}{flag}"
+
+
+def _latency(run: dict[str, Any]) -> str:
+    latency = run["latency_ms"]
+    return " / ".join("-" if latency[k] is None else f"{latency[k]:.0f}" if latency[k] >= 100
+                      else f"{latency[k]:.1f}" for k in ("p50", "p99"))
+
+
+def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of every table of the report: the console and the markdown show these."""
+    concurrency = [f"c={c}" for c in report["settings"]["concurrency"]]
+    out = []
+    if report["ceilings"]:
+        sizes = report["settings"]["ceiling_batch_sizes"]
+        out.append(("In-process ceilings (items/s by batch size; batch-1 latency)",
+                    ["scenario", "corpus", *(f"b={s}" for s in sizes), "best", "b=1 p50 / p99 ms"],
+                    [[c["scenario"], c["corpus"], *(f"{c['items_per_s'][str(s)]:.1f}" for s in sizes),
+                      f"{c['best_items_per_s']:.1f} (b={c['best_batch_size']})", _latency(
+                          {"latency_ms": c["batch1_latency_ms"]})] for c in report["ceilings"]]))
+    for corpus in report["settings"]["corpora"]:
+        if any(r["corpus"] == corpus for r in report["runs"]):
+            out.append((f"{corpus} corpus: replies/s in the measured window (* = not every request ok)",
+                        ["scenario", *concurrency], _grid(report, corpus, _rps)))
+            out.append((f"{corpus} corpus: latency p50 / p99 (ms)", ["scenario", *concurrency],
+                        _grid(report, corpus, _latency)))
+    if report["targets"]:
+        out.append((f"Targets ({DEFAULT_SETTING} is the default)",
+                    ["target", "corpus", "conc", "value", "limit", "met", "detail"],
+                    [[t["target"], t["corpus"], str(t["concurrency"]), f"{t['value']:g}", f"{t['limit']:g}",
+                      "yes" if t["met"] else "NO", t["detail"]] for t in report["targets"]]))
+    return out
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    for title, header, rows in tables(report):
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        wrap = {"target", "detail"}
+        for index, name in enumerate(header):
+            table.add_column(name, justify="left" if index == 0 or name in wrap else "right",
+                             no_wrap=name not in wrap)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    console.print(f"wall time {report['wall_s']:.0f} s; load average before / after "
+                  f"{report['machine']['loadavg_start']} / {report['machine']['loadavg_end']}")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report's tables in Markdown (for docs/benchmarks.md)."""
+    machine = report["machine"]
+    lines = [f"`{report['command']}`, {report['started']}, {machine['cpus']} CPUs ({machine['cpu']}), "
+             f"torch {machine['torch']}, wall time {report['wall_s']:.0f} s, load average "
+             f"{machine['loadavg_start']} before / {machine['loadavg_end']} after.", ""]
+    for title, header, rows in tables(report):
+        lines += [f"**{title}**", "", "| " + " | ".join(header) + " |",
+                  "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_bench(report: dict[str, Any], path: Path) -> Path:
+    """One PNG: per corpus, the model scenarios against concurrency with the in-process ceilings as flat
+    lines; then the transport scenarios. Each panel is ``loadgen.plot.plot_sweep``'s figure."""
+    concurrency = report["settings"]["concurrency"]
+    nan = float("nan")
+    panels: list[tuple[str, list[tuple[str, list[dict[str, Any]]]]]] = []
+    transport: list[tuple[str, list[dict[str, Any]]]] = []
+    for corpus in report["settings"]["corpora"]:
+        series: dict[str, list[dict[str, Any]]] = {}
+        for run in report["runs"]:
+            if run["corpus"] == corpus:
+                series.setdefault(run["scenario"], []).append({**run, "throughput_rps": run["steady_rps"]})
+        for ceiling in (c for c in report["ceilings"] if c["corpus"] == corpus):
+            batch1 = ceiling["batch1_latency_ms"] if ceiling["scenario"] == "inproc-fifo" else {}
+            series[f"{ceiling['scenario']} (b={ceiling['best_batch_size']}{'; b=1 latency' if batch1 else ''})"] = [
+                {"concurrency": c, "throughput_rps": ceiling["best_items_per_s"],
+                 "latency_ms": {k: batch1.get(k) or nan for k in ("p50", "p99")}} for c in concurrency]
+        kinds = {s["name"]: s["kind"] for s in report["scenarios"]}
+        model = [(name, runs) for name, runs in series.items() if kinds.get(name) != "transport"]
+        transport += [(f"{name} ({corpus})", runs) for name, runs in series.items() if kinds.get(name) == "transport"]
+        if model:
+            panels.append((f"kinfer bench, {corpus} corpus: model scenarios (flat lines: in-process ceilings)",
+                           model))
+    if transport:
+        panels.append(("kinfer bench: transport (relay ceiling and kinfer's echo handler)", transport))
+    if not panels:
+        raise ValueError("nothing to plot")
+    from matplotlib.image import imread, imsave
+
+    with tempfile.TemporaryDirectory() as tmp:
+        images = [imread(plot_sweep(series, Path(tmp) / f"{i}.png", title=title))
+                  for i, (title, series) in enumerate(panels)]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    imsave(path, np.vstack(images))
+    return path
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "device": resolve_device("auto")}
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+# --- command line
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kinfer bench",
+        description="Run every scenario (ceilings, user-style baselines, kinfer settings) on one embedded broker, "
+                    "model and corpus; print tables, write JSON and a plot.",
+        epilog=f"Scenarios: {', '.join(SCENARIO_NAMES)}. See docs/benchmarks.md.",
+    )
+    parser.add_argument("--concurrency", type=concurrency_list, metavar="C1,C2,...",
+                        help="closed-loop concurrencies (default: 1,4,16,64,256; --quick: 1,4)")
+    parser.add_argument("--corpus", type=_corpora, metavar="NAME,...",
+                        help=f"corpora, of {', '.join(PROFILES)} (default: mixed,short; --quick: short)")
+    parser.add_argument("--duration", type=float, help="measured seconds per point (default: 3; --quick: 1)")
+    parser.add_argument("--warmup", type=float, help="warm-up seconds per point, > 0 (default: 1; --quick: 0.5)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds before a request is lost (default: 30)")
+    parser.add_argument("--scenarios", type=_scenarios, metavar="NAME,...", help="run only these (default: all)")
+    parser.add_argument("--ceiling-batch-sizes", type=concurrency_list, metavar="B1,B2,...",
+                        help="in-process batch sizes to try (default: 1,8,32; --quick: 1,8)")
+    parser.add_argument("--seed", type=int, default=0, help="corpus seed (default: 0)")
+    parser.add_argument("--quick", action="store_true", help="a tiny run: smoke test of the whole command")
+    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--plot", type=Path, help="write the PNG plot here")
+    parser.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
+    parser.add_argument("--no-progress", action="store_true", help="no live progress bars")
+    return parser
+
+
+def options_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchOptions:
+    quick = args.quick
+
+    def pick(value: Any, normal: Any, small: Any) -> Any:
+        return value if value is not None else small if quick else normal
+
+    warmup = pick(args.warmup, 1.0, 0.5)
+    duration = pick(args.duration, 3.0, 1.0)
+    if warmup <= 0 or duration <= 0 or args.timeout <= 0:
+        # steady_rps needs every worker busy when measuring begins: some warm-up is required.
+        raise ValueError("--warmup, --duration and --timeout must be positive")
+    scenarios = tuple(s for s in SCENARIOS if s.name in set(args.scenarios or SCENARIO_NAMES))
+    for setting in KINFER_SETTINGS:  # a setting kinfer does not know fails here, not half-way through
+        if setting.name in {s.name for s in scenarios}:
+            try:
+                ServiceConfig(**setting.overrides)
+            except ValidationError as exc:
+                raise ValueError(f"kinfer setting {setting.name}: {exc}") from exc
+    return BenchOptions(
+        concurrency=tuple(pick(args.concurrency, (1, 4, 16, 64, 256), (1, 4))),
+        corpora=tuple(pick(args.corpus, ("mixed", "short"), ("short",))),
+        duration_s=duration, warmup_s=warmup, timeout_s=args.timeout,
+        scenarios=scenarios,
+        ceiling_batch_sizes=tuple(pick(args.ceiling_batch_sizes, (1, 8, 32), (1, 8))),
+        seed=args.seed, progress=not args.no_progress, command=" ".join(["kinfer bench", *argv]))
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = options_from(args, argv)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Loading weights" bars would break the bench's output
+    console = Console()
+    try:
+        report = Bench(options, console).run()
+    except (KinferError, ClientError, RuntimeError) as exc:
+        console.print(f"[red]kinfer bench failed: {exc}[/red]")
+        return 1
+    print_report(report, console)
+    for name, path, write in (("report", args.out, _write_json), ("plot", args.plot, plot_bench),
+                              ("markdown", args.markdown, _write_markdown)):
+        if path:
+            write(report, path)
+            console.print(f"{name}: {path}")
+    return 0
+
+
+def _write_json(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+
+
+def _write_markdown(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(markdown(report))
+
+
+def _corpora(text: str) -> list[str]:
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [name for name in names if name not in PROFILES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"corpora are {', '.join(PROFILES)}; got {text!r}")
+    return names
+
+
+def _scenarios(text: str) -> list[str]:
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [name for name in names if name not in SCENARIO_NAMES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown scenario(s) {', '.join(unknown) or text!r}; "
+                                         f"known: {', '.join(SCENARIO_NAMES)}")
+    return names
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
