@@ -23,7 +23,7 @@ PartitionKey = tuple[str, int]
 class PartitionLedger:
     """Offsets of one assigned partition that are consumed and not yet committable."""
 
-    __slots__ = ("_done", "_pending", "abandoned", "attached", "key", "position")
+    __slots__ = ("_done", "_pending", "abandoned", "attached", "key", "last_tracked", "position")
 
     def __init__(self, key: PartitionKey) -> None:
         self.key = key
@@ -32,14 +32,19 @@ class PartitionLedger:
         self.abandoned = 0
         self.position: int | None = None
         """The next offset to commit: every offset below it is finished."""
+        self.last_tracked = -1
         self.attached = True
 
     @property
     def in_flight(self) -> int:
         return len(self._pending) - len(self._done) - self.abandoned
 
-    def track(self, offset: int) -> None:
+    def track(self, offset: int) -> bool:
+        if offset <= self.last_tracked:
+            return False  # already consumed once in this assignment: a redelivery
+        self.last_tracked = offset
         self._pending.append(offset)
+        return True
 
     def finish(self, offset: int) -> None:
         self._done.add(offset)
@@ -77,17 +82,20 @@ class OffsetTracker:
                 self._committed.pop(key, None)
             self._cond.notify_all()
 
-    def track(self, request: Request) -> None:
-        """Register a consumed record; it counts as in flight until ``finish`` or ``abandon``."""
-        key = (request.topic, request.partition)
+    def track(self, request: Request) -> bool:
+        """Register a consumed record; it counts as in flight until ``finish`` or ``abandon``.
+
+        False (and not registered) when its partition is not assigned to this member, or the record
+        was tracked already: a record fetched before a revoke can still come out of the same
+        ``consume()`` call that ran the revoke. Serving it would answer a request the next owner
+        also serves, and commit a partition this member no longer owns; the caller drops it.
+        """
         with self._cond:
-            ledger = self._ledgers.get(key)
-            if ledger is None:
-                # A record can only come from an assigned partition; a missing ledger means the
-                # assignment callback did not run, so create one rather than lose the record.
-                ledger = self._ledgers[key] = PartitionLedger(key)
-            ledger.track(request.offset)
+            ledger = self._ledgers.get((request.topic, request.partition))
+            if ledger is None or not ledger.track(request.offset):
+                return False
             request.ledger = ledger
+            return True
 
     def finish(self, request: Request) -> None:
         """The record is answered (reply acknowledged by the broker)."""

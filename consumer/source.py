@@ -112,8 +112,11 @@ class Source:
                 self._on_record_error(record.error())
                 continue
             request = self._decoder.decode(record, received)
-            self._tracker.track(request)
-            self._route(request)
+            if self._tracker.track(request):
+                self._route(request)
+            else:
+                log.debug("dropped %s/%d/%d: partition not owned, or already consumed", request.topic,
+                          request.partition, request.offset)
         self._flow_control()
         if time.monotonic() >= self._next_commit:
             self._commit()

@@ -104,3 +104,23 @@ def test_partitions_are_independent():
     tracker.finish(b)
     assert positions(tracker) == {("requests", 1): 8}
     assert tracker.wait_idle(0.01, [("requests", 1)]) and not tracker.wait_idle(0.01, [P0])
+
+
+def test_records_of_partitions_not_assigned_are_refused():
+    tracker = OffsetTracker()
+    tracker.assign([P0])
+    stray = make_request(partition=7, offset=3)
+    assert tracker.track(stray) is False and stray.ledger is None
+    tracker.revoke([P0])
+    late = make_request(offset=4)  # fetched before the revoke, returned after it
+    assert tracker.track(late) is False
+    assert tracker.in_flight == 0 and tracker.commit_offsets() == []
+
+
+def test_a_record_consumed_twice_in_one_assignment_is_tracked_once():
+    tracker = OffsetTracker()
+    tracker.assign([P0])
+    first, again = make_request(offset=5), make_request(offset=5)
+    assert tracker.track(first) and not tracker.track(again)
+    tracker.finish(first)
+    assert positions(tracker) == {P0: 6} and tracker.in_flight == 0
