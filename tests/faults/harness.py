@@ -339,6 +339,22 @@ def client_for(settings: Settings) -> AuditedClient:
                          reply_partition=0, timeout_s=45.0, max_pending=20_000)
 
 
+@dataclass
+class RunEnd:
+    exit_codes: dict[str, int]
+    result: Audit
+    skipped: list[int]
+    stats: Any
+
+
+def end_run(settings: Settings, group: Group, load: Load, client: AuditedClient) -> RunEnd:
+    """Wait for the load's replies, stop every member, audit both topics and check the client."""
+    outcomes = load.wait_answered(60)
+    exit_codes = group.stop_all(30)
+    result = audit(settings, load.sent)
+    return RunEnd(exit_codes, result, check_client(client, result, outcomes, settings.broker_kind), client.stats())
+
+
 def check_client(client: AuditedClient, result: Audit, outcomes: dict[int, Reply | BaseException],
                  broker_kind: str) -> list[int]:
     """The client resolved each request exactly once, and right: with its own reply when the broker

@@ -18,11 +18,10 @@ from tests.faults.harness import (
     CommitWatch,
     Group,
     Load,
-    audit,
     check,
-    check_client,
     client_for,
     commit_regressions,
+    end_run,
     final_commits,
     overlapping_ownership,
 )
@@ -53,11 +52,8 @@ def test_sigkill_under_load_loses_nothing_and_duplicates_stay_in_the_window(faul
             group.start(f"{victim.name}{kill + 1}")
             recoveries.append(round(group.wait_stable(RECOVERY_S), 1))
         load.join(COUNT / RATE + 30)
-        outcomes = load.wait_answered(60)
-        exit_codes = group.stop_all(30)
-        result = audit(settings, load.sent)
-        skipped = check_client(client, result, outcomes, settings.broker_kind)
-        stats = client.stats()
+        end = end_run(settings, group, load, client)
+    exit_codes, result, skipped, stats = end.exit_codes, end.result, end.skipped, end.stats
     elapsed = time.monotonic() - started
     members = group.members
     killed = [m.name for m in members if m.killed]

@@ -23,9 +23,9 @@ from tests.faults.harness import (
     Load,
     audit,
     check,
-    check_client,
     client_for,
     commit_regressions,
+    end_run,
     final_commits,
     overlapping_ownership,
 )
@@ -66,11 +66,8 @@ def test_grow_and_shrink_under_load_hands_partitions_over_cleanly(fault_settings
         time.sleep(STEADY_S)
         load.stop()
         load.join(10)
-        outcomes = load.wait_answered(60)
-        exit_codes = group.stop_all(30)
-        result = audit(settings, load.sent)
-        skipped = check_client(client, result, outcomes, settings.broker_kind)
-        stats = client.stats()
+        end = end_run(settings, group, load, client)
+    exit_codes, result, skipped, stats = end.exit_codes, end.result, end.skipped, end.stats
     elapsed = time.monotonic() - started
     members = group.members
     print(f"\nrebalance: sent {load.sent}, {result.summary(members)}, client {stats}, reply records the broker "

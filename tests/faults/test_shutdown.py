@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.faults.harness import Group, Load, audit, check_client, client_for, final_commits, now_ms
+from tests.faults.harness import Group, Load, client_for, end_run, final_commits, now_ms
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -37,11 +37,8 @@ def test_sigterm_under_load_drains_commits_and_restart_answers_nothing_twice(fau
         group.start("restart")
         group.wait_stable(40)
         load.join(COUNT / RATE + 10)
-        outcomes = load.wait_answered(60)
-        exit_codes = group.stop_all(30)
-        result = audit(settings, load.sent)
-        skipped = check_client(client, result, outcomes, settings.broker_kind)
-        stats = client.stats()
+        end = end_run(settings, group, load, client)
+    exit_codes, result, skipped, stats = end.exit_codes, end.result, end.skipped, end.stats
     elapsed = time.monotonic() - started
     members = group.members
     answered: dict[str, dict[int, set[int]]] = {m.name: defaultdict(set) for m in members}
