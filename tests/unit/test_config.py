@@ -90,8 +90,10 @@ def test_every_option_is_documented():
     from pathlib import Path
 
     doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
-    for name in ServiceConfig.model_fields:
-        assert f"`--{name.replace('_', '-')}`" in doc and f"KINFER_{name.upper()}" in doc
+    for name, field in ServiceConfig.model_fields.items():
+        default = field.default.model_dump() if hasattr(field.default, "model_dump") else field.default
+        row = f"| `--{name.replace('_', '-')}` | `{default!r}` | `KINFER_{name.upper()}` |"
+        assert row in doc, f"docs/configuration.md lacks or misstates: {row}"
 
 
 def test_key_value_options_merge_across_layers(tmp_path):
