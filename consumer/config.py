@@ -119,14 +119,24 @@ class ServiceConfig(BaseModel):
     device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
 
     # --- Batching
-    batch_policy: Literal["greedy", "static"] = Field(
+    batch_policy: Literal["adaptive", "greedy", "static"] = Field(
         "greedy",
-        description="greedy: dispatch as soon as inference has room; static: wait for a full batch "
-        "or max_batch_delay_ms (TorchServe).",
+        description="adaptive: dispatch at once unless the learned batch cost says waiting raises "
+        "throughput within target_latency_ms; greedy: dispatch as soon as inference has room; static: wait "
+        "for a full batch or max_batch_delay_ms (TorchServe).",
     )
     max_batch_size: int = Field(32, ge=1, le=4096, description="Most requests in one batch.")
+    max_batch_tokens: int | None = Field(
+        8192, ge=1, description="Most padded tokens (longest x count) in one batch, for handlers that count "
+        "tokens; waiting requests are then grouped by length (0 or none: count requests only).",
+    )
     max_batch_delay_ms: float = Field(
-        20.0, ge=0, le=60_000, description="static: longest wait for a full batch, from the oldest arrival."
+        20.0, ge=0, le=60_000, description="static: longest wait for a full batch, from the oldest arrival; "
+        "adaptive: longest a batch is held open.",
+    )
+    target_latency_ms: float = Field(
+        100.0, gt=0, le=600_000, description="adaptive: hold a batch open only while its oldest request "
+        "can still be answered within this.",
     )
     max_batch_bytes: int | None = Field(
         8_388_608, ge=1, description="Most bytes of request values in one batch (a larger request runs alone)."
@@ -135,6 +145,9 @@ class ServiceConfig(BaseModel):
         None, ge=1, description="Split batches into micro-batches of this size (default: no split)."
     )
     parallelism: Parallelism = Field(Parallelism(), description="Threads per stage.")
+    torch_threads: int | None = Field(
+        None, ge=1, le=1024, description="torch intra-op threads (default: torch's own, one per core).",
+    )
 
     # --- Delivery
     delivery: Literal["at-least-once", "exactly-once"] = Field(
@@ -203,6 +216,12 @@ class ServiceConfig(BaseModel):
     def _parallelism(cls, value: Any) -> Any:
         value = _key_values(value) if isinstance(value, str) else value
         return {k: int(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    @field_validator("max_batch_tokens", mode="before")
+    @classmethod
+    def _no_token_budget(cls, value: Any) -> Any:
+        """``0`` or ``none`` turns the token budget off (a flag or env var cannot say null)."""
+        return None if value in (0, "0") or (isinstance(value, str) and value.lower() in ("none", "null")) else value
 
     @field_validator("request_topics")
     @classmethod

@@ -61,6 +61,11 @@ class Request:
     spring_correlation_id: bytes | None = None
     deadline_ms: int | None = None
     payload: Any = None
+    """The parsed record value (JSON, or the raw bytes for ``bytes`` handlers)."""
+    item: Any = None
+    """What the handler's ``validate`` made of the payload; ``preprocess`` gets these."""
+    tokens: int | None = None
+    """The handler's ``cost`` of the item (its tokens); None when the handler does not count tokens."""
     error: RequestError | None = None
     dead_letter: bool = False
     """True when the record could not be read as a request: it also goes to the dead-letter topic."""

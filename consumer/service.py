@@ -16,6 +16,7 @@ from types import TracebackType
 
 from confluent_kafka import KafkaException
 
+from consumer.admission import admit
 from consumer.batcher import Batcher
 from consumer.commit import OffsetTracker
 from consumer.config import ServiceConfig
@@ -73,8 +74,13 @@ class Service:
 
     def _start(self, config: ServiceConfig) -> Service:
         device = resolve_device(config.device)
+        if config.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(config.torch_threads)
         self.handler.setup(HandlerContext(device=device, model=_path(config.model),
-                                          options=dict(config.handler_options)))
+                                          options=dict(config.handler_options),
+                                          max_batch_size=config.micro_batch_size or config.max_batch_size))
         self.handler.warm_up()
         self._model_ready = True
         self.metrics.model.info(self.handler.describe())
@@ -115,8 +121,9 @@ class Service:
                 stall_timeout_s=config.producer_stall_timeout_s,
             )
         self.batcher = Batcher(config.batch_policy, config.max_batch_size, config.max_batch_delay_ms,
-                               reject=self._reply_now, max_batch_bytes=config.max_batch_bytes,
-                               max_queue_ms=config.max_queue_ms)
+                               reject=self._reply_now, max_batch_tokens=config.max_batch_tokens,
+                               max_batch_bytes=config.max_batch_bytes, max_queue_ms=config.max_queue_ms,
+                               target_latency_ms=config.target_latency_ms)
         self.pipeline = Pipeline(
             self.handler,
             self.batcher.next_batch,
@@ -127,6 +134,7 @@ class Service:
             max_batch_size=config.max_batch_size,
             micro_batch_size=config.micro_batch_size,
             metrics=self.metrics,
+            observe=self.batcher.observe,
         )
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes)
@@ -184,6 +192,8 @@ class Service:
         log.info("stopped")
 
     def _route(self, request: Request) -> None:
+        if request.ok:
+            admit(self.handler, request)
         if request.ok:
             self.batcher.put(request)  # type: ignore[union-attr]
         else:

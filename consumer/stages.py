@@ -75,6 +75,8 @@ class MicroBatch:
     """The requests still ok: the handler sees only these, in this order."""
     items: list[Any] = field(default_factory=list)
     inputs: Any = None
+    work: int = 0
+    """Padded tokens of ``inputs`` (for handlers that count tokens), else the item count."""
     outputs: Any = None
 
     def fail_active(self, error: RequestError) -> None:
@@ -158,8 +160,11 @@ class Pipeline:
         max_batch_size: int,
         micro_batch_size: int | None = None,
         metrics: Metrics | None = None,
+        observe: Callable[[int, float], None] = lambda work, seconds: None,
     ) -> None:
+        """``observe(work, seconds)`` learns the cost of each inference call (``Batcher.observe``)."""
         self._handler = handler
+        self._observe = observe
         self._metrics = metrics = metrics or Metrics()
         self._next_batch = next_batch
         self._emit = emit
@@ -211,33 +216,27 @@ class Pipeline:
             parts = [batch[i : i + self._micro] for i in range(0, len(batch), self._micro)]
             ticket = BatchTicket(len(parts), self._slots.release)
             for part in parts:
-                self._pre.inbox.put(MicroBatch(part, ticket, active=list(part)))
+                self._pre.inbox.put(MicroBatch(part, ticket, active=[request for request in part if request.ok]))
 
     def _preprocess(self, micro_batch: MicroBatch) -> None:
-        validated = []
-        for request in micro_batch.active:
-            try:
-                micro_batch.items.append(self._handler.validate(request.payload))
-                validated.append(request)
-            except RequestError as exc:
-                request.fail(exc)
-            except Exception as exc:
-                request.fail(RequestError(f"validate failed: {exc!r}", ErrorCode.HANDLER_ERROR))
-        micro_batch.active = validated
-        if validated:
-            micro_batch.inputs = self._handler.preprocess(micro_batch.items)
-            tokens = self._handler.token_counts(micro_batch.inputs)
-            if tokens is not None:
-                self._metrics.batch_real_tokens.inc(tokens[0])
-                self._metrics.batch_padded_tokens.observe(tokens[1])
+        micro_batch.items = [request.item for request in micro_batch.active]
+        micro_batch.inputs = self._handler.preprocess(micro_batch.items)
+        tokens = self._handler.token_counts(micro_batch.inputs)
+        if tokens is None:
+            micro_batch.work = len(micro_batch.items)
+        else:
+            self._metrics.batch_real_tokens.inc(tokens[0])
+            self._metrics.batch_padded_tokens.observe(tokens[1])
+            micro_batch.work = tokens[1]
 
     def _inference(self, micro_batch: MicroBatch) -> None:
         started = time.perf_counter()
         micro_batch.outputs = self._handler.inference(micro_batch.inputs)
-        elapsed_ms = (time.perf_counter() - started) * 1000
+        elapsed = time.perf_counter() - started
         for request in micro_batch.active:
-            request.inference_ms = elapsed_ms
+            request.inference_ms = elapsed * 1000
         micro_batch.inputs = None
+        self._observe(micro_batch.work, elapsed)
 
     def _to_postprocess(self, micro_batch: MicroBatch) -> None:
         self._post.inbox.put(micro_batch)

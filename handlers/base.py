@@ -1,10 +1,12 @@
 """The handler contract: the only code a user writes to serve a model with kinfer.
 
-The service calls, for each micro-batch of requests:
+The service calls:
 
-1. ``validate(payload)`` once per request, in a preprocess thread. Raise ``InvalidInput`` to reject
-   that request alone (it gets a ``bad_request`` reply; its neighbours go on).
-2. ``preprocess(items)`` with the validated items of the micro-batch, in a preprocess thread.
+1. ``validate(payload)`` once per request as it arrives, in the Kafka poll thread, before batching: keep
+   it cheap. Raise ``InvalidInput`` to reject that request alone (it gets a ``bad_request`` reply; the
+   rest go on). ``cost(item)`` then tells the batcher how many tokens the item will take.
+2. For each micro-batch of validated items (at most ``HandlerContext.max_batch_size``),
+   ``preprocess(items)`` in a preprocess thread.
 3. ``inference(inputs)`` with what ``preprocess`` returned, in an inference thread. Inference threads
    share this one handler instance, so they share one copy of the weights.
 4. ``postprocess(outputs, items)`` in a postprocess thread: exactly one JSON-serialisable result per
@@ -34,6 +36,8 @@ class HandlerContext:
     """The local model directory from ``--model``; ``None`` means the handler's default."""
     options: dict[str, Any] = field(default_factory=dict)
     """Handler-specific settings from ``--handler-option key=value`` / ``handler_options:`` in YAML."""
+    max_batch_size: int = 32
+    """The most items one ``preprocess``/``inference`` call will get (the service's micro-batch size)."""
 
 
 class Handler(ABC):
@@ -49,12 +53,23 @@ class Handler(ABC):
         """Load weights and anything else shared by all threads. Called once before serving."""
 
     def validate(self, payload: Any) -> Any:
-        """Check one request payload and return the item ``preprocess`` gets; raise ``InvalidInput``."""
+        """Check one request payload and return the item ``preprocess`` gets; raise ``InvalidInput``.
+
+        Called in the Kafka poll thread as each request arrives, so it must be cheap: work done here delays
+        every request behind it."""
         return payload
+
+    def cost(self, item: Any) -> int | None:
+        """The tokens one validated item will occupy in a batch (after truncation), known before batching.
+
+        The batcher bounds batches by padded tokens (longest x count, config ``max_batch_tokens``) and
+        groups waiting requests by it. ``None``: the handler does not count tokens, and batches are bounded
+        by request count only."""
+        return None
 
     @abstractmethod
     def preprocess(self, items: list[Any]) -> Any:
-        """Turn validated items into model inputs (tokenise, decode, stack)."""
+        """Turn the validated items of a micro-batch into model inputs (pad, stack, decode)."""
 
     @abstractmethod
     def inference(self, inputs: Any) -> Any:

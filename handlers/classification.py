@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AutoModelForSequenceClassification, BatchEncoding
+from transformers import AutoModelForSequenceClassification
 
 from consumer.errors import HandlerLoadError
-from handlers.text import TextHandler, positive_int
+from handlers.options import positive_int
+from handlers.text import TextHandler, TextItem
 
 
 class TextClassificationHandler(TextHandler):
@@ -32,11 +33,11 @@ class TextClassificationHandler(TextHandler):
                 f"text-classification: top_k={self.top_k} but the model has {len(self.labels)} labels"
             )
 
-    def reduce(self, output: Any, inputs: BatchEncoding) -> torch.Tensor:
+    def reduce(self, output: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = output.logits.float()
         return logits.sigmoid() if self.multi_label else logits.softmax(dim=-1)
 
-    def postprocess(self, outputs: torch.Tensor, items: list[str]) -> list[dict[str, list[dict[str, Any]]]]:
+    def postprocess(self, outputs: torch.Tensor, items: list[TextItem]) -> list[dict[str, list[dict[str, Any]]]]:
         scores, indices = outputs.topk(self.top_k, dim=1)
         return [
             {"labels": [{"label": self.labels[i], "score": s} for s, i in zip(row_scores, row_indices, strict=True)]}

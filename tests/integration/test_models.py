@@ -14,17 +14,29 @@ from tests.models import TINY_LABELS, build_tiny_classifier, reference_embedding
 pytestmark = [pytest.mark.integration, pytest.mark.model]
 
 
-def test_service_embeddings_equal_transformers_one_text_at_a_time(broker):
+@pytest.mark.parametrize("batching", [
+    {},  # the defaults: greedy, token budget, length groups
+    {"batch_policy": "adaptive", "max_batch_tokens": 2048},
+    {"max_batch_tokens": None},  # first-in-first-out
+], ids=["default", "adaptive-2048-tokens", "fifo"])
+def test_service_embeddings_equal_transformers_one_text_at_a_time(broker, batching):
+    """Whatever the batching, each reply is its own text's embedding: no padding or neighbour leaks in."""
     topics = broker.topics(requests=3, replies=1, dead=1)
     texts = varied_texts(200)
     records = [(str(i).encode(), orjson.dumps({"text": text}), [(protocol.CORRELATION_ID, str(i).encode())])
                for i, text in enumerate(texts)]
     config = service_config(broker.bootstrap_servers, topics, handler="embedding", max_batch_size=32,
-                            micro_batch_size=8, parallelism={"preprocess": 2, "inference": 1, "postprocess": 1})
+                            micro_batch_size=8, parallelism={"preprocess": 2, "inference": 1, "postprocess": 1},
+                            **batching)
     with Service(config) as service:
         assert service.wait_ready(30)
         produce(broker.bootstrap_servers, topics["requests"], records)
         replies = read(broker.bootstrap_servers, topics["replies"], len(texts), timeout_s=120)
+        padded = service.metrics.registry.get_sample_value
+        if config.max_batch_tokens is not None:  # no micro-batch went over the budget
+            budget_bucket = min(b for b in (2048.0, 8192.0) if b >= config.max_batch_tokens)
+            assert padded("kinfer_batch_padded_tokens_bucket", {"le": str(budget_bucket)}) == padded(
+                "kinfer_batch_padded_tokens_count")
     assert len(replies) == len(texts)
     by_index = {int(headers_of(m)[protocol.CORRELATION_ID]): orjson.loads(m.value()) for m in replies}
     served = torch.tensor([by_index[i]["result"]["embedding"] for i in range(len(texts))])

@@ -183,3 +183,143 @@ def test_expired_requests_do_not_take_places_in_the_batch():
     now_ms[0] = 2_000.0
     assert batcher.next_batch(0.0) == live[:3]  # full, though three expired requests were in the way
     assert rejected == doomed
+
+
+def tokened(tokens, received=100.0, **kwargs):
+    request = make_request(received=received, **kwargs)
+    request.tokens = tokens
+    return request
+
+
+def take_tokens(batcher):
+    return [r.tokens for r in batcher.next_batch(0.0)]
+
+
+def test_token_budget_groups_waiting_requests_by_length_around_the_oldest():
+    batcher = Batcher("greedy", 4, 0, [].append, max_batch_tokens=1000, clock=Clock())
+    for tokens in (12, 200, 10, 180, 11, 190, 9, 220, 13):
+        batcher.put(tokened(tokens))
+    # The oldest (12) goes first, with the three waiting requests nearest to it in length.
+    assert sorted(take_tokens(batcher)) == [10, 11, 12, 13]
+    # Now the oldest is 200; 4 x 220 = 880 fits the budget.
+    assert sorted(take_tokens(batcher)) == [180, 190, 200, 220]
+    assert take_tokens(batcher) == [9]
+    assert batcher.waiting == 0
+
+
+def test_token_budget_bounds_longest_times_count_and_a_request_over_it_runs_alone():
+    batcher = Batcher("greedy", 32, 0, [].append, max_batch_tokens=100, clock=Clock())
+    for tokens in (30, 30, 30, 30, 500, 30):
+        batcher.put(tokened(tokens))
+    assert take_tokens(batcher) == [30, 30, 30]  # 4 x 30 = 120 > 100
+    assert sorted(take_tokens(batcher)) == [30, 30]
+    assert take_tokens(batcher) == [500]  # over the budget: alone, never stuck
+
+
+def test_length_groups_do_not_mix_short_and_long_requests():
+    batcher = Batcher("greedy", 32, 0, [].append, max_batch_tokens=100_000, clock=Clock())
+    for tokens in (256, 10, 12, 120):
+        batcher.put(tokened(tokens))
+    # 120 is within 2 x + slack of 256, the short ones are not: padding them to 256 would cost
+    # more than a batch of their own.
+    assert sorted(take_tokens(batcher)) == [120, 256]
+    assert sorted(take_tokens(batcher)) == [10, 12]
+
+
+def test_no_request_is_starved_by_a_stream_of_other_lengths():
+    batcher = Batcher("greedy", 4, 0, [].append, max_batch_tokens=10_000, clock=Clock())
+    batcher.put(tokened(250))
+    served_long_after = None
+    for round_ in range(10):
+        for _ in range(8):
+            batcher.put(tokened(10))
+        if 250 in take_tokens(batcher):
+            served_long_after = round_
+            break
+    assert served_long_after == 0  # the oldest request is in the very next batch
+
+
+def test_without_token_budget_batches_stay_first_in_first_out():
+    batcher = Batcher("greedy", 3, 0, [].append, clock=Clock())
+    for tokens in (12, 200, 10, 180):
+        batcher.put(tokened(tokens))
+    assert take_tokens(batcher) == [12, 200, 10]
+
+
+def test_grouped_batches_still_shed_expired_requests_and_discard_revoked_partitions():
+    now_ms = [1_000.0]
+    rejected = []
+    batcher = Batcher("greedy", 8, 0, rejected.append, max_batch_tokens=10_000, clock=Clock(),
+                      epoch_ms=lambda: now_ms[0])
+    doomed = tokened(20, deadline_ms=1_500)
+    revoked = tokened(21, partition=1)
+    kept = [tokened(t) for t in (19, 22)]
+    for request in [kept[0], doomed, revoked, kept[1]]:
+        batcher.put(request)
+    assert batcher.discard([("requests", 1)]) == [revoked]
+    now_ms[0] = 2_000.0
+    assert batcher.next_batch(0.0) == kept
+    assert rejected == [doomed] and batcher.waiting == 0
+
+
+def learned(batcher, fixed_s, per_unit_s, works=(1, 2, 4, 8, 16, 32)):
+    for _ in range(3):
+        for work in works:
+            batcher.observe(work, fixed_s + per_unit_s * work)
+
+
+def test_adaptive_dispatches_at_once_until_it_has_learned_the_batch_cost():
+    clock = Clock()
+    batcher = Batcher("adaptive", 32, 50, [].append, clock=clock)
+    for _ in range(5):
+        batcher.put(make_request(received=clock.now))
+    assert batcher.wait_s(clock.now) == 0.0
+
+
+def busy_gpu_like(clock, max_batch_delay_ms, target_latency_ms):
+    """An adaptive batcher that has learned a GPU-like cost (batches are nearly free to grow) and has
+    seen 1000 requests/s for the last second."""
+    batcher = Batcher("adaptive", 64, max_batch_delay_ms, [].append, target_latency_ms=target_latency_ms,
+                      clock=clock)
+    learned(batcher, fixed_s=0.020, per_unit_s=0.0001)
+    for _ in range(1000):
+        clock.now += 0.001
+        batcher.arrivals.add(clock.now)
+    return batcher
+
+
+def test_adaptive_holds_a_batch_while_arrivals_in_one_fixed_cost_outnumber_the_waiting():
+    clock = Clock()
+    batcher = busy_gpu_like(clock, max_batch_delay_ms=50, target_latency_ms=200)
+    batcher.put(make_request(received=clock.now))
+    # ~20 arrive per fixed cost, 1 waits: hold until they are expected, bounded by max_batch_delay_ms.
+    hold = batcher.wait_s(clock.now)
+    assert 0.005 < hold <= 0.05
+    for _ in range(25):
+        batcher.put(make_request(received=clock.now))
+    assert batcher.wait_s(clock.now) == 0.0
+
+
+def test_adaptive_never_holds_past_the_latency_target_or_at_low_load():
+    clock = Clock()
+    batcher = busy_gpu_like(clock, max_batch_delay_ms=1000, target_latency_ms=30)
+    batcher.put(make_request(received=clock.now - 0.005))
+    # The oldest came 5 ms ago and its batch takes >= 20 ms: at most ~5 ms more may pass.
+    assert batcher.wait_s(clock.now) <= 0.0051
+
+    quiet = Batcher("adaptive", 64, 1000, [].append, target_latency_ms=1000, clock=clock)
+    learned(quiet, fixed_s=0.020, per_unit_s=0.0001)
+    quiet.arrivals.add(clock.now - 0.5)  # one request in the last second: nothing to wait for
+    quiet.put(make_request(received=clock.now))
+    assert quiet.wait_s(clock.now) == 0.0
+
+
+def test_adaptive_on_cpu_like_cost_behaves_greedy():
+    clock = Clock()
+    batcher = Batcher("adaptive", 64, 50, [].append, clock=clock)
+    learned(batcher, fixed_s=0.001, per_unit_s=0.003)  # cost grows with size: waiting cannot pay off
+    for _ in range(100):
+        clock.now += 0.01
+        batcher.arrivals.add(clock.now)
+    batcher.put(make_request(received=clock.now))
+    assert batcher.wait_s(clock.now) == 0.0

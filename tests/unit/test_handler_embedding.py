@@ -15,9 +15,9 @@ from handlers.embedding import EmbeddingHandler
 from tests.models import reference_embeddings, varied_texts
 
 
-def set_up(**options: Any) -> EmbeddingHandler:
+def set_up(max_batch_size: int = 32, **options: Any) -> EmbeddingHandler:
     handler = EmbeddingHandler()
-    handler.setup(HandlerContext(device="cpu", options=options))
+    handler.setup(HandlerContext(device="cpu", options=options, max_batch_size=max_batch_size))
     return handler
 
 
@@ -42,6 +42,17 @@ def test_embeddings_in_padded_batches_equal_embeddings_computed_alone(handler: E
 
 
 @pytest.mark.model
+def test_embeddings_in_shape_buckets_equal_embeddings_computed_alone() -> None:
+    # 5 texts of up to 30 words: padded to 8 rows, 3 of them all padding (an all-zero mask to pool over).
+    texts = varied_texts(5, max_words=30)
+    bucketed = set_up(max_batch_size=8, max_length=64, shape_buckets=True)
+    embeddings = embed(bucketed, texts)
+    assert embeddings.shape == (5, 384)
+    max_diff = (embeddings - reference_embeddings(texts)).abs().max().item()
+    assert max_diff <= 1e-4, f"max abs diff {max_diff:.2e}"
+
+
+@pytest.mark.model
 def test_similar_sentences_are_closer_than_unrelated_ones(handler: EmbeddingHandler) -> None:
     cat, kitten, markets = embed(handler, ["A cat sits on the mat.", "A kitten is lying on a rug.", "Stocks fell."])
     assert cat @ kitten > cat @ markets + 0.2
@@ -49,7 +60,7 @@ def test_similar_sentences_are_closer_than_unrelated_ones(handler: EmbeddingHand
 
 @pytest.mark.model
 def test_results_are_json_lists_of_384_unit_length_floats(handler: EmbeddingHandler) -> None:
-    items = ["one", "two words"]
+    items = [handler.validate({"text": text}) for text in ["one", "two words"]]
     results = handler.postprocess(handler.inference(handler.preprocess(items)), items)
     assert orjson.loads(orjson.dumps(results)) == results
     assert [len(result["embedding"]) for result in results] == [384, 384]
@@ -70,6 +81,9 @@ def test_describe_names_the_bundled_model(handler: EmbeddingHandler) -> None:
         "handler": "embedding",
         "model": "sentence-transformers/all-MiniLM-L6-v2",
         "device": "cpu",
+        "amp": "none",
+        "compile": "off",
+        "shape_buckets": "off",
     }
 
 

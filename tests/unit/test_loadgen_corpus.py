@@ -1,4 +1,4 @@
-"""Payloads: the built-in corpus (deterministic, a spread of lengths) and JSON-lines files."""
+"""Payloads: the built-in corpora (deterministic, their length mixes) and JSON-lines files."""
 
 from __future__ import annotations
 
@@ -7,15 +7,28 @@ import pytest
 from loadgen.corpus import builtin_corpus, read_jsonl
 
 
-def test_builtin_corpus_is_deterministic_with_a_spread_of_lengths():
+def _words(corpus):
+    return [len(payload["text"].split()) for payload in corpus]
+
+
+def test_builtin_corpus_is_deterministic():
     corpus = builtin_corpus()
     assert corpus == builtin_corpus() and corpus != builtin_corpus(seed=1)
-    words = [len(payload["text"].split()) for payload in corpus]
-    share = lambda low, high: sum(low <= n <= high for n in words) / len(words)  # noqa: E731
-    assert 0.35 < share(1, 8) < 0.55, "mostly short queries"
-    assert 0.10 < share(41, 150) < 0.30, "some paragraphs"
-    assert 0.02 < share(151, 400) < 0.10, "a few long passages"
     assert all(set(payload) == {"text"} and payload["text"] for payload in corpus)
+
+
+def test_mixed_corpus_is_the_issues_length_mix():
+    """70% of 5-20 words, 25% of 40-80, 5% of 150-250, nothing else (the bounds allow ~3 sigma at n=1000)."""
+    words = _words(builtin_corpus("mixed"))
+    share = lambda low, high: sum(low <= n <= high for n in words) / len(words)  # noqa: E731
+    assert 0.65 < share(5, 20) < 0.75
+    assert 0.20 < share(40, 80) < 0.30
+    assert 0.03 < share(150, 250) < 0.08
+    assert all(5 <= n <= 20 or 40 <= n <= 80 or 150 <= n <= 250 for n in words)
+
+
+def test_short_corpus_holds_only_short_texts():
+    assert max(_words(builtin_corpus("short"))) <= 40
 
 
 def test_read_jsonl_skips_blank_lines_and_keeps_any_json(tmp_path):

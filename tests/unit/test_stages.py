@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 
+from consumer.admission import admit
 from consumer.errors import InvalidInput, RequestError
 from consumer.stages import Pipeline, finite
 from handlers.base import Handler
@@ -59,8 +60,12 @@ class SquareHandler(Handler):
 
 
 def run_pipeline(handler, batches, *, micro=None, threads=(1, 1, 1), max_batch_size=64):
+    """Admit every request as the service does (a bad one fails there), then run the batches."""
     pending = queue.Queue()
     for batch in batches:
+        for request in batch:
+            if request.ok:
+                admit(handler, request)
         pending.put(batch)
     emitted, done = [], threading.Event()
     total = sum(len(b) for b in batches)

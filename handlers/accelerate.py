@@ -1,0 +1,160 @@
+"""How a text handler runs its batches on the device: shape buckets, AMP, ``torch.compile``, CUDA copies and streams.
+
+Options (``--handler-option key=value``), read once by ``Accelerator.from_options``:
+
+- ``amp`` (default ``none``): ``float16`` or ``bfloat16`` runs the forward pass under ``torch.autocast``.
+  The CPU gets ``bfloat16`` only.
+- ``compile`` (default false): run ``torch.compile(model, dynamic=False)`` with ``compile_backend`` (default
+  ``inductor``; ``eager`` and ``aot_eager`` help to debug). It needs shape buckets, and ``warm_up`` compiles
+  every bucket shape before serving (seconds each), so nothing compiles while serving.
+- ``shape_buckets`` (default: the value of ``compile``): pad each batch up to a bucket of rows (powers of two up
+  to the micro-batch size) and of tokens (powers of two from 16 up to ``max_length``), so shapes repeat.
+
+On CUDA a batch is collated into pinned host memory, copied with ``non_blocking=True`` and run on a CUDA stream
+of its inference thread's own, so one thread's copies overlap another's compute. Elsewhere none of that happens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from consumer.errors import HandlerLoadError
+from handlers.options import boolean, one_of
+
+AMP_DTYPES = {"none": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+SHORTEST_LENGTH_BUCKET = 16
+"""Shorter buckets would add shapes to compile for almost no saved work."""
+
+
+def powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    """``low``, ``2 * low``, ``4 * low``... while below ``high``, then ``high`` itself: buckets up to a limit."""
+    sizes = []
+    size = low
+    while size < high:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, high)
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest of the sorted ``buckets`` that holds ``n``."""
+    index = bisect.bisect_left(buckets, n)
+    if index == len(buckets):
+        raise ValueError(f"{n} is more than the largest bucket, {buckets[-1]}")
+    return buckets[index]
+
+
+@dataclass(frozen=True)
+class ShapeBuckets:
+    """The shapes a bucketed batch is padded to: a bucket of rows by a bucket of tokens."""
+
+    rows: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def up_to(cls, max_batch_size: int, max_length: int) -> ShapeBuckets:
+        return cls(powers_of_two(1, max_batch_size), powers_of_two(SHORTEST_LENGTH_BUCKET, max_length))
+
+    def shape(self, items: int, longest: int) -> tuple[int, int]:
+        """(rows, tokens) of a batch of ``items`` whose longest holds ``longest`` tokens."""
+        return bucket_for(items, self.rows), bucket_for(longest, self.lengths)
+
+    def all(self) -> list[tuple[int, int]]:
+        return list(itertools.product(self.rows, self.lengths))
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """The device and the options above, checked at setup; shared by the handler's threads."""
+
+    device: torch.device
+    amp: torch.dtype | None = None
+    compile_backend: str | None = None
+    """``None``: the model runs eagerly."""
+    buckets: ShapeBuckets | None = None
+    """``None``: a batch is as long as its longest item and has one row per item."""
+    _streams: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.compile_backend is not None and self.buckets is None:
+            raise ValueError("a compiled model needs shape buckets, or each new batch shape compiles again")
+
+    @classmethod
+    def from_options(
+        cls, handler: str, options: dict[str, Any], device: torch.device, max_batch_size: int, max_length: int
+    ) -> Accelerator:
+        amp = AMP_DTYPES[one_of(handler, "amp", options["amp"], AMP_DTYPES)]
+        if amp is torch.float16 and device.type == "cpu":
+            raise HandlerLoadError(f"{handler}: amp=float16 needs a GPU; on the CPU use amp=bfloat16")
+        compiled = boolean(handler, "compile", options["compile"])
+        given = options["shape_buckets"]
+        bucketed = compiled if given is None else boolean(handler, "shape_buckets", given)
+        if compiled and not bucketed:
+            raise HandlerLoadError(
+                f"{handler}: compile=true needs shape_buckets=true (or leave shape_buckets out): "
+                "without buckets every new batch shape would compile again while serving"
+            )
+        backend = _compile_backend(handler, options["compile_backend"]) if compiled else None
+        return cls(device, amp, backend, ShapeBuckets.up_to(max_batch_size, max_length) if bucketed else None)
+
+    @property
+    def cuda(self) -> bool:
+        """Whether batches go through pinned memory and per-thread streams: only CUDA has both."""
+        return self.device.type == "cuda"
+
+    def host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Where collation leaves a tensor: pinned on CUDA, so that the copy to the GPU can be asynchronous."""
+        return tensor.pin_memory() if self.cuda else tensor
+
+    def to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: tensor.to(self.device, non_blocking=self.cuda) for name, tensor in tensors.items()}
+
+    def stream(self) -> AbstractContextManager[Any]:
+        """Make the calling thread's own CUDA stream current (nothing off CUDA)."""
+        if not self.cuda:
+            return nullcontext()
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(self.device)
+            # The weights were copied on the default stream: this stream must not read them before they land.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        return nullcontext() if self.amp is None else torch.autocast(self.device.type, dtype=self.amp)
+
+    def compile(self, model: torch.nn.Module) -> Callable[..., Any]:
+        """The model as ``inference`` calls it: compiled when ``compile`` is on."""
+        if self.compile_backend is None:
+            return model
+        # dynamic=False makes one graph per shape, but dynamo keeps 8 per function by default and runs any
+        # further shape eagerly. The limit is process-wide; raising it does not hurt other compiled code.
+        shapes = len(self.buckets.all())
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, shapes)
+        return torch.compile(model, dynamic=False, backend=self.compile_backend)
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "amp": "none" if self.amp is None else str(self.amp).removeprefix("torch."),
+            "compile": self.compile_backend or "off",
+            "shape_buckets": "off" if self.buckets is None else "on",
+        }
+
+
+def _compile_backend(handler: str, backend: Any) -> str:
+    # Debug backends such as eager are accepted, but the message lists only the ones meant for serving.
+    if backend not in torch.compiler.list_backends(exclude_tags=()):
+        raise HandlerLoadError(
+            f"{handler}: handler option compile_backend must be a torch.compile backend such as "
+            f"{', '.join(torch.compiler.list_backends())}, not {backend!r}"
+        )
+    return backend
