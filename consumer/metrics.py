@@ -27,6 +27,12 @@ class Metrics:
                                              buckets=_TOKEN_BUCKETS, registry=r)
         self.batch_real_tokens = Counter("kinfer_batch_real_tokens", "Tokens before padding; "
                                          "padded/real is the padding ratio.", registry=r)
+        self.batch_cost_fixed = Gauge("kinfer_batch_cost_fixed_seconds", "Learned fixed cost of one inference "
+                                      "call (what the adaptive policy weighs against waiting); NaN until learned.",
+                                      registry=r)
+        self.batch_cost_per_unit = Gauge("kinfer_batch_cost_per_unit_seconds", "Learned cost of each padded "
+                                         "token (or request, for handlers that count no tokens) of an inference "
+                                         "call; NaN until learned.", registry=r)
         self.queue_wait = Histogram("kinfer_queue_wait_seconds", "From receipt by the consumer to dispatch "
                                     "in a batch.", ["topic"], buckets=_LATENCY_BUCKETS, registry=r)
         self.stage_seconds = Histogram("kinfer_stage_seconds", "Duration of one stage call for one "

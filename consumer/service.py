@@ -1,13 +1,15 @@
 """The service: wires source -> batcher -> stages -> publisher -> commit, and owns their lifecycle.
 
-Start order is the reverse of the data flow (publisher first, source last) so that nothing is
-consumed before there is somewhere to send it; stop order follows the data flow: stop consuming,
-drain in-flight work within the grace period, publish and flush, commit, close.
+Start order: the stages first (each inference thread warms the model up), then the publisher, the
+source last, so that nothing is consumed before the model is ready and there is somewhere to send
+replies; stop order follows the data flow: stop consuming, drain in-flight work within the grace
+period, publish and flush, commit, close.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -81,16 +83,15 @@ class Service:
         self.handler.setup(HandlerContext(device=device, model=_path(config.model),
                                           options=dict(config.handler_options),
                                           max_batch_size=config.micro_batch_size or config.max_batch_size))
-        self.handler.warm_up()
-        self._model_ready = True
-        self.metrics.model.info(self.handler.describe())
-        log.info("handler ready: %s", self.handler.describe())
         try:
             self._build(config)
         except KafkaException as exc:
             raise ConfigError(f"the Kafka client configuration was rejected: {exc.args[0].str()}") from exc
+        self.pipeline.start()  # type: ignore[union-attr]  # returns once the inference threads warmed up
+        self._model_ready = True
+        self.metrics.model.info(self.handler.describe())
+        log.info("handler ready: %s", self.handler.describe())
         self.publisher.start()  # type: ignore[union-attr]
-        self.pipeline.start()  # type: ignore[union-attr]
         self.source.start()  # type: ignore[union-attr]
         self._started = True
         log.info("serving %s -> %s (group %s, %s batching, max batch %d, %s)", ",".join(config.request_topics),
@@ -124,6 +125,9 @@ class Service:
                                reject=self._reply_now, max_batch_tokens=config.max_batch_tokens,
                                max_batch_bytes=config.max_batch_bytes, max_queue_ms=config.max_queue_ms,
                                target_latency_ms=config.target_latency_ms)
+        cost = self.batcher.cost
+        self.metrics.batch_cost_fixed.set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
+        self.metrics.batch_cost_per_unit.set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
         self.pipeline = Pipeline(
             self.handler,
             self.batcher.next_batch,

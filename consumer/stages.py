@@ -86,7 +86,11 @@ class MicroBatch:
 
 
 class StagePool:
-    """``threads`` workers running ``work`` on each micro-batch from ``inbox``, then ``forward``."""
+    """``threads`` workers running ``work`` on each micro-batch from ``inbox``, then ``forward``.
+
+    ``prepare``, when given, runs first in each worker thread; ``start`` returns once every worker has
+    run it, and raises its error if one failed.
+    """
 
     def __init__(
         self,
@@ -96,6 +100,7 @@ class StagePool:
         threads: int,
         inbox_size: int,
         metrics: Metrics,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         self._seconds = metrics.stage_seconds.labels(name)
@@ -106,10 +111,17 @@ class StagePool:
             threading.Thread(target=self._run, name=f"kinfer-{name}-{i}", daemon=True) for i in range(threads)
         ]
         self.crashed: list[str] = []
+        self._prepare = prepare
+        self._prepared = threading.Semaphore(0)
+        self._prepare_errors: list[BaseException] = []
 
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
+        for _ in self._threads:
+            self._prepared.acquire()
+        if self._prepare_errors:
+            raise self._prepare_errors[0]
 
     def stop(self, timeout_s: float) -> None:
         """Let queued work finish, then end the threads (one sentinel each, behind the work)."""
@@ -124,6 +136,14 @@ class StagePool:
         return all(thread.is_alive() for thread in self._threads)
 
     def _run(self) -> None:
+        try:
+            if self._prepare is not None:
+                self._prepare()
+        except BaseException as exc:
+            self._prepare_errors.append(exc)
+            return
+        finally:
+            self._prepared.release()
         try:
             while (micro_batch := self.inbox.get()) is not _STOP:
                 self._process(micro_batch)
@@ -175,8 +195,10 @@ class Pipeline:
         depth = inference_threads * parts_per_batch + postprocess_threads
         self._post = StagePool("postprocess", self._postprocess, self._emit_micro_batch,
                                postprocess_threads, depth, metrics)
+        # Each inference thread warms the model up itself: torch keeps a thread pool per calling thread, and
+        # a model first run on another thread (measured: the one that called setup) runs 30-50% slower here.
         self._infer = StagePool("inference", self._inference, self._to_postprocess, inference_threads, depth,
-                                metrics)
+                                metrics, prepare=handler.warm_up)
         self._pre = StagePool("preprocess", self._preprocess, self._infer.inbox.put, preprocess_threads, depth,
                               metrics)
         self._pools = (self._pre, self._infer, self._post)
@@ -184,8 +206,17 @@ class Pipeline:
         self._dispatcher = threading.Thread(target=self._dispatch, name="kinfer-dispatch", daemon=True)
 
     def start(self) -> None:
-        for pool in self._pools:
-            pool.start()
+        """Start the stage threads, once every inference thread has warmed the model up (its error, if
+        one failed to); then take batches."""
+        started = []
+        try:
+            for pool in self._pools:
+                pool.start()
+                started.append(pool)
+        except BaseException:
+            for pool in started:
+                pool.stop(5.0)
+            raise
         self._dispatcher.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:

@@ -80,7 +80,8 @@ class Handler(ABC):
         """Return one result per item, in order."""
 
     def warm_up(self) -> None:  # noqa: B027 - optional hook
-        """Run one tiny batch after ``setup`` so the first request does not pay for lazy initialisation."""
+        """Run a tiny batch so the first request does not pay for lazy initialisation. Called once in each
+        inference thread, before serving: torch's thread pools and CUDA streams belong to the thread."""
 
     def token_counts(self, inputs: Any) -> tuple[int, int] | None:
         """(real, padded) tokens of one ``preprocess`` result, for the padding metrics; None if not text."""

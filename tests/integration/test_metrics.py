@@ -91,3 +91,6 @@ def test_metrics_count_what_was_sent_and_readiness_follows_assignment(broker):
     assert value(metrics, "kinfer_commits_total") >= 1 and value(metrics, "kinfer_commit_failures_total") == 0
     assert value(metrics, "kinfer_assigned_partitions") == 3
     assert value(metrics, "kinfer_model_info", handler="echo") == 1
+    # The adaptive policy's cost model is exposed (NaN until enough batches of different sizes ran).
+    assert {name for name, _ in metrics if name.startswith("kinfer_batch_cost_")} == {
+        "kinfer_batch_cost_fixed_seconds", "kinfer_batch_cost_per_unit_seconds"}

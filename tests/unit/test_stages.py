@@ -187,3 +187,30 @@ def test_every_request_comes_out_exactly_once(micro):
 )
 def test_finite_finds_nan_and_infinity_anywhere(value, ok):
     assert finite(value) is ok
+
+
+def test_each_inference_thread_warms_the_model_up_before_serving():
+    class WarmedPerThread(SquareHandler):
+        def __init__(self):
+            super().__init__()
+            self.warmed_in = []
+
+        def warm_up(self):
+            self.warmed_in.append(threading.current_thread().name)
+
+    handler = WarmedPerThread()
+    run_pipeline(handler, [[make_request({"x": 3})]], threads=(1, 2, 1))
+    assert sorted(handler.warmed_in) == ["kinfer-inference-0", "kinfer-inference-1"]
+
+
+def test_a_failing_warm_up_fails_start_and_stops_the_threads():
+    class ColdModel(SquareHandler):
+        def warm_up(self):
+            raise RuntimeError("CUDA out of memory")
+
+    pipeline = Pipeline(ColdModel(), lambda timeout_s: [], lambda requests: None, max_batch_size=4)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pipeline.start()
+    time.sleep(0.2)
+    stages = ("kinfer-preprocess", "kinfer-inference", "kinfer-postprocess", "kinfer-dispatch")
+    assert not any(t.name.startswith(stages) and t.is_alive() for t in threading.enumerate())
