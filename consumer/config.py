@@ -120,7 +120,7 @@ class ServiceConfig(BaseModel):
 
     # --- Batching
     batch_policy: Literal["adaptive", "greedy", "static"] = Field(
-        "greedy",
+        "adaptive",
         description="adaptive: dispatch at once unless the learned batch cost says waiting raises "
         "throughput within target_latency_ms; greedy: dispatch as soon as inference has room; static: wait "
         "for a full batch or max_batch_delay_ms (TorchServe).",

@@ -390,7 +390,7 @@ def test_a_second_request_to_the_same_unknown_reply_to_topic_is_dead_lettered_to
 
 
 def test_kinfer_serve_process_survives_poison_and_keeps_answering(fault_settings):
-    """Every readable-or-not poison record through a real ``kinfer serve`` (greedy batching): the
+    """Every readable-or-not poison record through a real ``kinfer serve`` (default batching): the
     process keeps running, answers each record once with its code, and stops cleanly on SIGTERM."""
     settings = fault_settings(1)
     cases = unreadable_cases() + batched_cases()

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.model]
 
 
 @pytest.mark.parametrize("batching", [
-    {},  # the defaults: greedy, token budget, length groups
+    {},  # the defaults: adaptive, token budget, length groups
     {"batch_policy": "adaptive", "max_batch_tokens": 2048},
     {"max_batch_tokens": None},  # first-in-first-out
 ], ids=["default", "adaptive-2048-tokens", "fifo"])
