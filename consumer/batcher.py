@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from consumer.cost import ArrivalRate, BatchCost
@@ -56,10 +56,11 @@ class _Waiting:
     seq: int
     tokens: int
     taken: bool = False
-    key: tuple[int, int] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.key = (self.tokens, self.seq)
+    @property
+    def key(self) -> tuple[int, int]:
+        """Where it sits in the length order."""
+        return self.tokens, self.seq
 
 
 Rejected = list[tuple[Request, RequestError]]
@@ -204,7 +205,7 @@ class Batcher:
         if not self._entries:
             return [], rejected
         oldest = self._oldest()
-        if self.max_batch_tokens is not None and self._grouped(oldest):
+        if self._grouped(oldest):
             taken = self._take_length_group(oldest, now, rejected)
         else:
             taken = self._take_in_order(now, rejected)
