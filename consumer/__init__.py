@@ -1,4 +1,4 @@
-"""kinfer service: source -> batcher -> stages -> publisher -> commit.
+"""kinference service: source -> batcher -> stages -> publisher -> commit.
 
 Read the modules in that order to follow a request through the service:
 

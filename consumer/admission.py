@@ -7,9 +7,9 @@ groups requests by length under the token budget.
 
 from __future__ import annotations
 
-from consumer.errors import ErrorCode, RequestError
-from consumer.protocol import Request
-from handlers.base import Handler
+from kinference.consumer.errors import ErrorCode, RequestError
+from kinference.consumer.protocol import Request
+from kinference.handlers.base import Handler
 
 
 def admit(handler: Handler, request: Request) -> None:

@@ -37,9 +37,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from consumer.cost import ArrivalRate, BatchCost
-from consumer.errors import ErrorCode, RequestError
-from consumer.protocol import Request
+from kinference.consumer.cost import ArrivalRate, BatchCost
+from kinference.consumer.errors import ErrorCode, RequestError
+from kinference.consumer.protocol import Request
 
 BatchPolicy = Literal["adaptive", "greedy", "static"]
 

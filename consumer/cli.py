@@ -1,7 +1,7 @@
-"""``kinfer`` command line: ``serve``, ``broker``, ``loadgen``, ``demo`` and ``bench``.
+"""``kinference`` command line: ``serve``, ``broker``, ``loadgen``, ``demo`` and ``bench``.
 
 ``serve`` has one flag per ``ServiceConfig`` field, generated from the model so flags, env vars,
-YAML keys and docs never drift apart: ``--max-batch-size`` <-> ``KINFER_MAX_BATCH_SIZE`` <->
+YAML keys and docs never drift apart: ``--max-batch-size`` <-> ``KINFERENCE_MAX_BATCH_SIZE`` <->
 ``max_batch_size:``.
 """
 
@@ -18,11 +18,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from consumer.config import ENV_PREFIX, ServiceConfig, load_config
-from consumer.errors import KinferError
-from consumer.logs import setup_logging
+from kinference.consumer.config import ENV_PREFIX, ServiceConfig, load_config
+from kinference.consumer.errors import KinferenceError
+from kinference.consumer.logs import setup_logging
 
-log = logging.getLogger("kinfer")
+log = logging.getLogger("kinference")
 
 _HEALTH_CHECK_S = 1.0
 
@@ -31,27 +31,27 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # loadgen and demo own their flags; hand them the rest of the command line untouched.
     if argv and argv[0] == "loadgen":
-        from loadgen.cli import main as loadgen_main
+        from kinference.loadgen.cli import main as loadgen_main
 
         return loadgen_main(argv[1:])
     if argv and argv[0] == "demo":
-        from loadgen.demo import main as demo_main
+        from kinference.loadgen.demo import main as demo_main
 
         return demo_main(argv[1:])
     if argv and argv[0] == "bench":
-        from loadgen.bench import main as bench_main
+        from kinference.loadgen.bench import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except KinferError as exc:
-        print(f"kinfer: {exc}", file=sys.stderr)
+    except KinferenceError as exc:
+        print(f"kinference: {exc}", file=sys.stderr)
         return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kinfer", description="Kafka-native streaming inference.")
+    parser = argparse.ArgumentParser(prog="kinference", description="Kafka-native streaming inference.")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="run the inference service",
@@ -67,11 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--storage", help="Tansu storage engine URL (default: memory, lost on exit)")
     broker.set_defaults(run=run_broker)
 
-    commands.add_parser("loadgen", help="drive load at a running service and report (see kinfer loadgen -h)",
+    commands.add_parser("loadgen", help="drive load at a running service and report (see kinference loadgen -h)",
                         add_help=False)
     commands.add_parser("demo", help="broker + service + bundled model + load sweep, one command",
                         add_help=False)
-    commands.add_parser("bench", help="every scenario side by side on one embedded broker (see kinfer bench -h)",
+    commands.add_parser("bench", help="every scenario side by side on one embedded broker (see kinference bench -h)",
                         add_help=False)
     return parser
 
@@ -119,8 +119,8 @@ def _stop_on_signals() -> threading.Event:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from consumer.broker import EmbeddedBroker, create_topics
-    from consumer.service import Service
+    from kinference.consumer.broker import EmbeddedBroker, create_topics
+    from kinference.consumer.service import Service
 
     config = _config_from_args(args)
     setup_logging(config.log_level, config.log_format)
@@ -145,7 +145,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_broker(args: argparse.Namespace) -> int:
-    from consumer.broker import EmbeddedBroker
+    from kinference.consumer.broker import EmbeddedBroker
 
     setup_logging("INFO")
     stop = _stop_on_signals()

@@ -1,6 +1,6 @@
 """The commit rule of at-least-once delivery, kept in this one module.
 
-Per partition, kinfer commits offset N only when every record below N has been answered: its reply
+Per partition, kinference commits offset N only when every record below N has been answered: its reply
 (and dead letter, if any) was acknowledged by the broker. Records finish out of order (micro-batches,
 several threads, error replies that skip the model); the ledger tracks them and moves the commit
 position only over a contiguous run of finished offsets. A record whose partition was revoked is
@@ -14,8 +14,7 @@ import time
 from collections import deque
 
 from confluent_kafka import TopicPartition
-
-from consumer.protocol import Request
+from kinference.consumer.protocol import Request
 
 PartitionKey = tuple[str, int]
 

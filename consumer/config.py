@@ -1,6 +1,6 @@
 """The one configuration object of the service, and how it is loaded.
 
-Every field has a default, an env var (``KINFER_`` + the field name upper-cased), a CLI flag
+Every field has a default, an env var (``KINFERENCE_`` + the field name upper-cased), a CLI flag
 (``--`` + the field name with dashes) and a YAML key (the field name). Precedence, highest first:
 CLI flag, env var, YAML file (``--config``), default. ``ServiceConfig`` is frozen and validated at
 construction, so a bad value fails at start with a message that names the field.
@@ -15,13 +15,12 @@ from typing import Annotated, Any, Literal
 
 import orjson
 import yaml
+from kinference.consumer.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from consumer.errors import ConfigError
+ENV_PREFIX = "KINFERENCE_"
 
-ENV_PREFIX = "KINFER_"
-
-# librdkafka settings kinfer relies on; users may override any other property.
+# librdkafka settings kinference relies on; users may override any other property.
 _CONSUMER_DEFAULTS = {
     "enable.auto.commit": "false",
     "enable.auto.offset.store": "false",
@@ -42,7 +41,7 @@ _PRODUCER_DEFAULTS = {
     "linger.ms": "2",
     "compression.type": "lz4",
 }
-# Properties whose meaning kinfer's commit rule depends on: overriding them would silently lose data.
+# Properties whose meaning kinference's commit rule depends on: overriding them would silently lose data.
 _PINNED_CONSUMER = {"enable.auto.commit": "false", "enable.auto.offset.store": "false"}
 
 
@@ -85,22 +84,22 @@ def _key_values(value: Any) -> Any:
 Csv = Annotated[list[str], Field(min_length=1)]
 _MERGED = ("kafka", "kafka_consumer", "kafka_producer", "handler_options")
 _LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000
-_DEAD_LETTER_OVERHEAD = 4096  # kinfer's own dead-letter headers and the record framing
+_DEAD_LETTER_OVERHEAD = 4096  # kinference's own dead-letter headers and the record framing
 
 
 class ServiceConfig(BaseModel):
-    """All settings of ``kinfer serve``. See docs/configuration.md for the full table."""
+    """All settings of ``kinference serve``. See docs/configuration.md for the full table."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
     # --- Kafka
     bootstrap_servers: str = Field("127.0.0.1:9092", min_length=1, description="Kafka bootstrap servers.")
-    request_topics: Csv = Field(["kinfer-requests"], description="Request topics, comma-separated.")
-    reply_topic: str = Field("kinfer-replies", min_length=1, description="Default reply topic.")
+    request_topics: Csv = Field(["kinference-requests"], description="Request topics, comma-separated.")
+    reply_topic: str = Field("kinference-replies", min_length=1, description="Default reply topic.")
     dead_letter_topic: str = Field(
-        "kinfer-dead-letters", min_length=1, description="Topic for records that are not valid requests."
+        "kinference-dead-letters", min_length=1, description="Topic for records that are not valid requests."
     )
-    group_id: str = Field("kinfer", min_length=1, description="Consumer group id.")
+    group_id: str = Field("kinference", min_length=1, description="Consumer group id.")
     kafka: dict[str, SecretStr] = Field(
         {}, description="librdkafka properties for consumer and producer (key=value; repeatable)."
     )
@@ -157,7 +156,7 @@ class ServiceConfig(BaseModel):
     )
     transactional_id: str | None = Field(
         None, min_length=1, description="exactly-once: the producer's transactional.id, unique per instance "
-        "(default: kinfer-<group_id>-<random>; a stable id per instance fences a crashed predecessor sooner).",
+        "(default: kinference-<group_id>-<random>; a stable id per instance fences a crashed predecessor sooner).",
     )
 
     # --- Flow control and limits
@@ -257,7 +256,7 @@ class ServiceConfig(BaseModel):
             raise ValueError("resume_in_flight must be below max_in_flight")
         for key, value in self.consumer_config().items():
             if key in _PINNED_CONSUMER and value != _PINNED_CONSUMER[key]:
-                raise ValueError(f"{key} must stay {_PINNED_CONSUMER[key]}: kinfer commits offsets itself")
+                raise ValueError(f"{key} must stay {_PINNED_CONSUMER[key]}: kinference commits offsets itself")
         return self
 
     @property
@@ -271,7 +270,7 @@ class ServiceConfig(BaseModel):
         return merged
 
     def consumer_config(self) -> dict[str, str]:
-        """The librdkafka consumer dict: kinfer's defaults, then the user's pass-through properties."""
+        """The librdkafka consumer dict: kinference's defaults, then the user's pass-through properties."""
         return {
             "bootstrap.servers": self.bootstrap_servers,
             "group.id": self.group_id,
@@ -280,7 +279,7 @@ class ServiceConfig(BaseModel):
         }
 
     def producer_config(self) -> dict[str, str]:
-        """The librdkafka producer dict: kinfer's defaults, then the user's pass-through properties."""
+        """The librdkafka producer dict: kinference's defaults, then the user's pass-through properties."""
         return {
             "bootstrap.servers": self.bootstrap_servers,
             **_PRODUCER_DEFAULTS,
@@ -289,7 +288,7 @@ class ServiceConfig(BaseModel):
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``KINFER_MAX_BATCH_SIZE=8`` -> ``{"max_batch_size": "8"}`` for every known field."""
+    """``KINFERENCE_MAX_BATCH_SIZE=8`` -> ``{"max_batch_size": "8"}`` for every known field."""
     environ = os.environ if environ is None else environ
     overrides = {}
     for name in ServiceConfig.model_fields:
@@ -307,7 +306,7 @@ def load_config(
     """Merge default < YAML < env < CLI and validate; raise ``ConfigError`` with every problem listed.
 
     Key/value options merge key by key across the layers (``kafka`` from a YAML file plus
-    ``KINFER_KAFKA`` with the SASL password from a secret); every other option is replaced whole.
+    ``KINFERENCE_KAFKA`` with the SASL password from a secret); every other option is replaced whole.
     """
     layers = [
         read_yaml(config_file) if config_file is not None else {},

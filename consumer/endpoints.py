@@ -43,7 +43,7 @@ class Endpoints:
 
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kinfer-http", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kinference-http", daemon=True)
 
     @property
     def port(self) -> int:

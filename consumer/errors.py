@@ -1,4 +1,4 @@
-"""kinfer's exception types and the stable error codes carried in error replies."""
+"""kinference's exception types and the stable error codes carried in error replies."""
 
 from __future__ import annotations
 
@@ -13,32 +13,32 @@ class ErrorCode(StrEnum):
     PAYLOAD_TOO_LARGE = "payload_too_large"
     """The record value is larger than ``max_request_bytes``, or its headers than ``max_header_bytes``."""
     DEADLINE_EXCEEDED = "deadline_exceeded"
-    """The ``kinfer-deadline-ms`` deadline passed before the request was computed."""
+    """The ``kinference-deadline-ms`` deadline passed before the request was computed."""
     OVERLOADED = "overloaded"
     """Shed unanswered: the request was older than ``max_queue_ms`` when the service got to it."""
     HANDLER_ERROR = "handler_error"
     """The handler raised, or returned outputs that do not match its inputs."""
     INTERNAL_ERROR = "internal_error"
-    """A fault in kinfer itself; the message says what failed."""
+    """A fault in kinference itself; the message says what failed."""
 
 
-class KinferError(Exception):
-    """Base of kinfer's exceptions."""
+class KinferenceError(Exception):
+    """Base of kinference's exceptions."""
 
 
-class ConfigError(KinferError):
+class ConfigError(KinferenceError):
     """The configuration is invalid; the message says what to change."""
 
 
-class HandlerLoadError(KinferError):
+class HandlerLoadError(KinferenceError):
     """A handler could not be found, imported or set up."""
 
 
-class BrokerError(KinferError):
+class BrokerError(KinferenceError):
     """The embedded broker could not be started or did not answer."""
 
 
-class RequestError(KinferError):
+class RequestError(KinferenceError):
     """A single request failed; carries the code its error reply gets.
 
     Handlers raise ``InvalidInput`` (a subclass) from ``validate`` to reject one item

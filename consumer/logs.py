@@ -8,8 +8,7 @@ import time
 from typing import Any
 
 import orjson
-
-from consumer.protocol import Request
+from kinference.consumer.protocol import Request
 
 _REQUEST_FIELDS = ("topic", "partition", "offset", "correlation_id")
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of one service instance (its own registry, so several can share a process).
 
-Every name starts with ``kinfer_``. Labels are bounded: topics come from the configuration, partitions
+Every name starts with ``kinference_``. Labels are bounded: topics come from the configuration, partitions
 from the current assignment (removed on revoke), outcomes from ``ErrorCode`` plus ``ok``.
 """
 
@@ -18,44 +18,44 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("kinfer_requests", "Requests answered, by request topic and outcome "
+        self.requests = Counter("kinference_requests", "Requests answered, by request topic and outcome "
                                 "(ok or an error code).", ["topic", "outcome"], registry=r)
-        self.batch_size = Histogram("kinfer_batch_size", "Requests per dispatched batch.",
+        self.batch_size = Histogram("kinference_batch_size", "Requests per dispatched batch.",
                                     buckets=_SIZE_BUCKETS, registry=r)
-        self.batch_padded_tokens = Histogram("kinfer_batch_padded_tokens", "Tokens per micro-batch after "
+        self.batch_padded_tokens = Histogram("kinference_batch_padded_tokens", "Tokens per micro-batch after "
                                              "padding (longest x count), for handlers that report tokens.",
                                              buckets=_TOKEN_BUCKETS, registry=r)
-        self.batch_real_tokens = Counter("kinfer_batch_real_tokens", "Tokens before padding; "
+        self.batch_real_tokens = Counter("kinference_batch_real_tokens", "Tokens before padding; "
                                          "padded/real is the padding ratio.", registry=r)
-        self.batch_cost_fixed = Gauge("kinfer_batch_cost_fixed_seconds", "Learned fixed cost of one inference "
+        self.batch_cost_fixed = Gauge("kinference_batch_cost_fixed_seconds", "Learned fixed cost of one inference "
                                       "call (what the adaptive policy weighs against waiting); NaN until learned.",
                                       registry=r)
-        self.batch_cost_per_unit = Gauge("kinfer_batch_cost_per_unit_seconds", "Learned cost of each padded "
+        self.batch_cost_per_unit = Gauge("kinference_batch_cost_per_unit_seconds", "Learned cost of each padded "
                                          "token (or request, for handlers that count no tokens) of an inference "
                                          "call; NaN until learned.", registry=r)
-        self.queue_wait = Histogram("kinfer_queue_wait_seconds", "From receipt by the consumer to dispatch "
+        self.queue_wait = Histogram("kinference_queue_wait_seconds", "From receipt by the consumer to dispatch "
                                     "in a batch.", ["topic"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.stage_seconds = Histogram("kinfer_stage_seconds", "Duration of one stage call for one "
+        self.stage_seconds = Histogram("kinference_stage_seconds", "Duration of one stage call for one "
                                        "micro-batch.", ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.service_seconds = Histogram("kinfer_service_seconds", "From receipt by the consumer to the "
+        self.service_seconds = Histogram("kinference_service_seconds", "From receipt by the consumer to the "
                                          "reply handed to the producer.", ["topic"], buckets=_LATENCY_BUCKETS,
                                          registry=r)
-        self.in_flight = Gauge("kinfer_in_flight", "Requests consumed and not yet answered.", registry=r)
-        self.paused_partitions = Gauge("kinfer_paused_partitions", "Assigned partitions paused by "
+        self.in_flight = Gauge("kinference_in_flight", "Requests consumed and not yet answered.", registry=r)
+        self.paused_partitions = Gauge("kinference_paused_partitions", "Assigned partitions paused by "
                                        "backpressure or shutdown.", registry=r)
-        self.assigned_partitions = Gauge("kinfer_assigned_partitions", "Partitions assigned to this member.",
+        self.assigned_partitions = Gauge("kinference_assigned_partitions", "Partitions assigned to this member.",
                                          registry=r)
-        self.commits = Counter("kinfer_commits", "Offset commits that succeeded.", registry=r)
-        self.commit_failures = Counter("kinfer_commit_failures", "Offset commits that failed (retried "
+        self.commits = Counter("kinference_commits", "Offset commits that succeeded.", registry=r)
+        self.commit_failures = Counter("kinference_commit_failures", "Offset commits that failed (retried "
                                        "at the next commit).", registry=r)
-        self.replies = Counter("kinfer_replies", "Replies acknowledged by the broker, by reply status.",
+        self.replies = Counter("kinference_replies", "Replies acknowledged by the broker, by reply status.",
                                ["status"], registry=r)
-        self.delivery_failures = Counter("kinfer_delivery_failures", "Replies or dead letters the broker "
+        self.delivery_failures = Counter("kinference_delivery_failures", "Replies or dead letters the broker "
                                          "refused, by kind.", ["kind"], registry=r)
-        self.producer_replacements = Counter("kinfer_producer_replacements", "Producers replaced after a "
+        self.producer_replacements = Counter("kinference_producer_replacements", "Producers replaced after a "
                                              "fatal error (e.g. fenced after a broker restart).", registry=r)
-        self.dead_letters = Counter("kinfer_dead_letters", "Records written to the dead-letter topic.",
+        self.dead_letters = Counter("kinference_dead_letters", "Records written to the dead-letter topic.",
                                     registry=r)
-        self.consumer_lag = Gauge("kinfer_consumer_lag", "High watermark minus the consumer's position, "
+        self.consumer_lag = Gauge("kinference_consumer_lag", "High watermark minus the consumer's position, "
                                   "per assigned partition.", ["topic", "partition"], registry=r)
-        self.model = Info("kinfer_model", "The handler being served.", registry=r)
+        self.model = Info("kinference_model", "The handler being served.", registry=r)

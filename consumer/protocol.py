@@ -13,22 +13,21 @@ from typing import Any, Literal
 
 import orjson
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
+from kinference.consumer.errors import ErrorCode, RequestError
 
-from consumer.errors import ErrorCode, RequestError
-
-CORRELATION_ID = "kinfer-correlation-id"
-REPLY_TO = "kinfer-reply-to"
-DEADLINE_MS = "kinfer-deadline-ms"
-STATUS = "kinfer-status"
-ERROR_CODE = "kinfer-error-code"
-ERROR_MESSAGE = "kinfer-error-message"
-QUEUE_MS = "kinfer-queue-ms"
-BATCH_SIZE = "kinfer-batch-size"
-INFERENCE_MS = "kinfer-inference-ms"
-SERVICE_MS = "kinfer-service-ms"
-SOURCE_TOPIC = "kinfer-source-topic"
-SOURCE_PARTITION = "kinfer-source-partition"
-SOURCE_OFFSET = "kinfer-source-offset"
+CORRELATION_ID = "kinference-correlation-id"
+REPLY_TO = "kinference-reply-to"
+DEADLINE_MS = "kinference-deadline-ms"
+STATUS = "kinference-status"
+ERROR_CODE = "kinference-error-code"
+ERROR_MESSAGE = "kinference-error-message"
+QUEUE_MS = "kinference-queue-ms"
+BATCH_SIZE = "kinference-batch-size"
+INFERENCE_MS = "kinference-inference-ms"
+SERVICE_MS = "kinference-service-ms"
+SOURCE_TOPIC = "kinference-source-topic"
+SOURCE_PARTITION = "kinference-source-partition"
+SOURCE_OFFSET = "kinference-source-offset"
 # Spring Kafka's ReplyingKafkaTemplate headers (KafkaHeaders.CORRELATION_ID, REPLY_TOPIC, REPLY_PARTITION).
 SPRING_CORRELATION_ID = "kafka_correlationId"
 SPRING_REPLY_TOPIC = "kafka_replyTopic"

@@ -24,11 +24,10 @@ from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
-
-from consumer.errors import ErrorCode, RequestError
-from consumer.logs import about
-from consumer.metrics import Metrics
-from consumer.protocol import Request, dead_letter_headers, reply_headers, reply_value
+from kinference.consumer.errors import ErrorCode, RequestError
+from kinference.consumer.logs import about
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.protocol import Request, dead_letter_headers, reply_headers, reply_value
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ def reply_record(request: Request, now: float) -> _Record:
 
 
 def dead_letter_record(topic: str, request: Request, error: RequestError, original: bool = True) -> _Record:
-    """With ``original`` the request's value and headers ride along; without, only kinfer's headers."""
+    """With ``original`` the request's value and headers ride along; without, only kinference's headers."""
     return (topic, request.value if original else None, request.key,
             dead_letter_headers(request, error, original), None)
 
@@ -81,7 +80,7 @@ class Publisher:
         self._undelivered: list[tuple[_Record, Callable]] = []
         """Records a dead producer failed, with their delivery handlers, to produce again."""
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kinfer-publisher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kinference-publisher", daemon=True)
 
     def start(self) -> None:
         self._thread.start()

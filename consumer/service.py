@@ -17,20 +17,19 @@ from pathlib import Path
 from types import TracebackType
 
 from confluent_kafka import KafkaException
-
-from consumer.admission import admit
-from consumer.batcher import Batcher
-from consumer.commit import OffsetTracker
-from consumer.config import ServiceConfig
-from consumer.endpoints import Endpoints
-from consumer.errors import ConfigError
-from consumer.metrics import Metrics
-from consumer.protocol import Request, RequestDecoder
-from consumer.publisher import Publisher
-from consumer.source import Source
-from consumer.stages import Pipeline
-from consumer.transactions import TransactionalPublisher
-from handlers import Handler, HandlerContext, load_handler
+from kinference.consumer.admission import admit
+from kinference.consumer.batcher import Batcher
+from kinference.consumer.commit import OffsetTracker
+from kinference.consumer.config import ServiceConfig
+from kinference.consumer.endpoints import Endpoints
+from kinference.consumer.errors import ConfigError
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.protocol import Request, RequestDecoder
+from kinference.consumer.publisher import Publisher
+from kinference.consumer.source import Source
+from kinference.consumer.stages import Pipeline
+from kinference.consumer.transactions import TransactionalPublisher
+from kinference.handlers import Handler, HandlerContext, load_handler
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ def resolve_device(spec: str) -> str:
 
 
 class Service:
-    """``with Service(config) as service: service.wait_ready(30)`` runs kinfer in this process."""
+    """``with Service(config) as service: service.wait_ready(30)`` runs kinference in this process."""
 
     def __init__(self, config: ServiceConfig, handler: Handler | None = None) -> None:
         self.config = config
@@ -104,7 +103,7 @@ class Service:
         if config.delivery == "exactly-once":
             self.publisher = TransactionalPublisher(
                 config.producer_config(),
-                config.transactional_id or f"kinfer-{config.group_id}-{uuid.uuid4().hex[:12]}",
+                config.transactional_id or f"kinference-{config.group_id}-{uuid.uuid4().hex[:12]}",
                 config.dead_letter_topic,
                 self.tracker,
                 group_metadata=lambda: self.source.group_metadata(),  # type: ignore[union-attr]

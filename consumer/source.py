@@ -18,11 +18,10 @@ from typing import Any
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-
-from consumer.commit import OffsetTracker, PartitionKey
-from consumer.config import ServiceConfig
-from consumer.metrics import Metrics
-from consumer.protocol import Request, RequestDecoder
+from kinference.consumer.commit import OffsetTracker, PartitionKey
+from kinference.consumer.config import ServiceConfig
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.protocol import Request, RequestDecoder
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class Source:
         self._consumer = consumer_factory(
             {**config.consumer_config(), "error_cb": self._on_client_error, "stats_cb": self._on_stats}
         )
-        self._thread = threading.Thread(target=self._run, name="kinfer-source", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kinference-source", daemon=True)
         self._draining = threading.Event()
         self._closing = threading.Event()
         self.assigned = threading.Event()

@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from consumer.errors import ErrorCode, RequestError
-from consumer.logs import about
-from consumer.metrics import Metrics
-from consumer.protocol import Request, encode_result
-from handlers.base import Handler
+from kinference.consumer.errors import ErrorCode, RequestError
+from kinference.consumer.logs import about
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.protocol import Request, encode_result
+from kinference.handlers.base import Handler
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ class StagePool:
         self._work = work
         self._forward = forward
         self._threads = [
-            threading.Thread(target=self._run, name=f"kinfer-{name}-{i}", daemon=True) for i in range(threads)
+            threading.Thread(target=self._run, name=f"kinference-{name}-{i}", daemon=True) for i in range(threads)
         ]
         self.crashed: list[str] = []
         self._prepare = prepare
@@ -203,7 +202,7 @@ class Pipeline:
                               metrics)
         self._pools = (self._pre, self._infer, self._post)
         self._stopping = threading.Event()
-        self._dispatcher = threading.Thread(target=self._dispatch, name="kinfer-dispatch", daemon=True)
+        self._dispatcher = threading.Thread(target=self._dispatch, name="kinference-dispatch", daemon=True)
 
     def start(self) -> None:
         """Start the stage threads, once every inference thread has warmed the model up (its error, if

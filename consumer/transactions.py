@@ -22,12 +22,11 @@ from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
-
-from consumer.commit import OffsetTracker, PartitionKey
-from consumer.errors import ErrorCode, RequestError
-from consumer.metrics import Metrics
-from consumer.protocol import Request
-from consumer.publisher import dead_letter_record, observe, reply_record
+from kinference.consumer.commit import OffsetTracker, PartitionKey
+from kinference.consumer.errors import ErrorCode, RequestError
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.protocol import Request
+from kinference.consumer.publisher import dead_letter_record, observe, reply_record
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class TransactionalPublisher:
         self._committed = threading.Condition()
         self._cycles = 0
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kinfer-publisher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kinference-publisher", daemon=True)
 
     def start(self) -> None:
         self._thread.start()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib
 
-from consumer.errors import HandlerLoadError
-from handlers.base import Handler, HandlerContext
+from kinference.consumer.errors import HandlerLoadError
+from kinference.handlers.base import Handler, HandlerContext
 
 BUILTIN = {
-    "echo": "handlers.echo:EchoHandler",
-    "embedding": "handlers.embedding:EmbeddingHandler",
-    "text-classification": "handlers.classification:TextClassificationHandler",
+    "echo": "kinference.handlers.echo:EchoHandler",
+    "embedding": "kinference.handlers.embedding:EmbeddingHandler",
+    "text-classification": "kinference.handlers.classification:TextClassificationHandler",
 }
 
 __all__ = ["BUILTIN", "Handler", "HandlerContext", "load_handler"]
@@ -30,5 +30,5 @@ def load_handler(spec: str) -> Handler:
         raise HandlerLoadError(f"cannot import handler module {module_name!r}: {exc}") from exc
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Handler)):
-        raise HandlerLoadError(f"{target!r} is not a subclass of handlers.base.Handler")
+        raise HandlerLoadError(f"{target!r} is not a subclass of kinference.Handler")
     return cls()

@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from consumer.errors import HandlerLoadError
-from handlers.options import boolean, one_of
+from kinference.consumer.errors import HandlerLoadError
+from kinference.handlers.options import boolean, one_of
 
 AMP_DTYPES = {"none": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -1,4 +1,4 @@
-"""The handler contract: the only code a user writes to serve a model with kinfer.
+"""The handler contract: the only code a user writes to serve a model with kinference.
 
 The service calls:
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from consumer.protocol import PayloadFormat
+from kinference.consumer.protocol import PayloadFormat
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from kinference.consumer.errors import HandlerLoadError
+from kinference.handlers.options import positive_int
+from kinference.handlers.text import TextHandler, TextItem
 from transformers import AutoModelForSequenceClassification
-
-from consumer.errors import HandlerLoadError
-from handlers.options import positive_int
-from handlers.text import TextHandler, TextItem
 
 
 class TextClassificationHandler(TextHandler):

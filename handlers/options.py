@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from consumer.errors import HandlerLoadError
+from kinference.consumer.errors import HandlerLoadError
 
 
 def positive_int(handler: str, key: str, value: Any) -> int:

@@ -19,12 +19,11 @@ from typing import Any, ClassVar
 import numpy as np
 import tokenizers
 import torch
+from kinference.consumer.errors import HandlerLoadError, InvalidInput
+from kinference.handlers.accelerate import Accelerator
+from kinference.handlers.base import Handler, HandlerContext
+from kinference.handlers.options import one_of, positive_int
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-from consumer.errors import HandlerLoadError, InvalidInput
-from handlers.accelerate import Accelerator
-from handlers.base import Handler, HandlerContext
-from handlers.options import one_of, positive_int
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -1,24 +1,31 @@
-"""kinfer's request-reply client and load generator.
+"""kinference's request-reply client and load generator.
 
-- ``client``   ``KinferClient``: send requests, get futures / awaitables of their ``Reply``,
+- ``client``   ``Client``: send requests, get futures / awaitables of their ``Reply``,
 - ``pending``  the bounded table of requests awaiting replies (deadlines, late and duplicate replies),
 - ``corpus``   request payloads (built-in text corpus or a JSON-lines file),
 - ``runner``   closed- and open-loop load and concurrency sweeps on one event loop,
 - ``report``   per-request samples -> the JSON report; ``tables`` and ``plot`` show it,
-- ``cli``      ``kinfer loadgen``; ``demo`` the one-command demo (``kinfer demo``).
+- ``cli``      ``kinference loadgen``; ``demo`` the one-command demo (``kinference demo``).
 """
 
-from loadgen.client import KinferClient
-from loadgen.errors import ClientClosed, ClientError, DeliveryFailed, ReplyError, RequestTimeout, TooManyPending
-from loadgen.pending import ClientStats
-from loadgen.reply import Reply
+from kinference.loadgen.client import Client
+from kinference.loadgen.errors import (
+    ClientClosed,
+    ClientError,
+    DeliveryFailed,
+    ReplyError,
+    RequestTimeout,
+    TooManyPending,
+)
+from kinference.loadgen.pending import ClientStats
+from kinference.loadgen.reply import Reply
 
 __all__ = [
+    "Client",
     "ClientClosed",
     "ClientError",
     "ClientStats",
     "DeliveryFailed",
-    "KinferClient",
     "Reply",
     "ReplyError",
     "RequestTimeout",

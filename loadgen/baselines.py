@@ -1,4 +1,4 @@
-"""What ``kinfer bench`` compares kinfer with: plain confluent-kafka loops, written the way users write them.
+"""What ``kinference bench`` compares kinference with: plain confluent-kafka loops, written the way users write them.
 
 - ``Relay``: consume -> produce, each value echoed as is (the transport ceiling, no model).
 - ``PerMessageLoop``: poll one record, embed its text, produce the reply, repeat.
@@ -6,13 +6,13 @@
   ``max_delay_ms`` after its first record arrived) with the stages run one after another: collect,
   preprocess, inference, postprocess, produce, then collect the next batch.
 
-Each answers in kinfer's reply format (the ``kinfer-correlation-id`` header echoed, the reply on the
-topic of ``kinfer-reply-to`` and the partition of ``kafka_replyPartition``), so the same load generator
-measures them. Each runs in a thread of the process that starts it (``kinfer bench`` starts each in a
+Each answers in kinference's reply format (the ``kinference-correlation-id`` header echoed, the reply on the
+topic of ``kinference-reply-to`` and the partition of ``kafka_replyPartition``), so the same load generator
+measures them. Each runs in a thread of the process that starts it (``kinference bench`` starts each in a
 process of its own): ``with Relay(bootstrap, topic) as relay: relay.wait_ready(30)``.
 An exception in the loop thread stops the loop and is raised again by ``stop()``.
 
-Client settings are the same for every contender, kinfer included (``TRANSPORT_CONSUMER`` and
+Client settings are the same for every contender, kinference included (``TRANSPORT_CONSUMER`` and
 ``TRANSPORT_PRODUCER``): the differences measured are batching and threading, not librdkafka tuning.
 """
 
@@ -27,11 +27,10 @@ from types import TracebackType
 
 import orjson
 from confluent_kafka import Consumer, Message, Producer
-
-from consumer.protocol import BATCH_SIZE, CORRELATION_ID, REPLY_TO, SPRING_REPLY_PARTITION
+from kinference.consumer.protocol import BATCH_SIZE, CORRELATION_ID, REPLY_TO, SPRING_REPLY_PARTITION
 
 # Tansu answers a fetch only after fetch.wait.max.ms and holds a group join for session.timeout.ms / 2:
-# kinfer's own values, so that the broker's quirks cost every contender the same.
+# kinference's own values, so that the broker's quirks cost every contender the same.
 TRANSPORT_CONSUMER = {
     "auto.offset.reset": "earliest",
     "fetch.wait.max.ms": "10",

@@ -1,14 +1,14 @@
-"""``kinfer bench``: every contender in one run, on the same embedded broker, model and corpus.
+"""``kinference bench``: every contender in one run, on the same embedded broker, model and corpus.
 
 The scenarios (``SCENARIOS``; docs/benchmarks.md says what each one is):
 
 - ceilings: the handler alone in this process (``inproc-fifo``, ``inproc-grouped``: texts batched in
   corpus order or sorted by length, at the best of a few batch sizes), and the plain consume ->
-  produce ``relay`` (transport ceiling, echo payloads) beside kinfer's echo handler (``kinfer-echo``);
+  produce ``relay`` (transport ceiling, echo payloads) beside kinference's echo handler (``kinference-echo``);
 - baselines written the way users write them (``loadgen.baselines``): ``per-message``,
   ``torchserve-b8`` and ``torchserve-b32`` (static batching, 50 ms delay, stages one after another);
-- kinfer settings: data in ``KINFER_SETTINGS``, a name plus ``ServiceConfig`` overrides; the one that
-  matches ``kinfer serve``'s defaults (``default_setting()``) is the one the targets judge.
+- kinference settings: data in ``KINFERENCE_SETTINGS``, a name plus ``ServiceConfig`` overrides; the one that
+  matches ``kinference serve``'s defaults (``default_setting()``) is the one the targets judge.
 
 Each Kafka scenario gets its own topics and consumer group, runs in a child process of its own
 (``contender``: it must not share this process's GIL with the load generator's client), and is measured
@@ -47,35 +47,34 @@ from typing import Any, Literal
 
 import numpy as np
 import orjson
+from kinference.consumer.broker import EmbeddedBroker, create_topics
+from kinference.consumer.config import ServiceConfig
+from kinference.consumer.errors import KinferenceError
+from kinference.consumer.service import Service, resolve_device
+from kinference.handlers import Handler, HandlerContext, load_handler
+from kinference.loadgen.baselines import TRANSPORT_CONSUMER, LoopThread, MiniLM, PerMessageLoop, Relay, StaticBatchLoop
+from kinference.loadgen.cli import concurrency_list
+from kinference.loadgen.client import Client
+from kinference.loadgen.corpus import PROFILES, builtin_corpus
+from kinference.loadgen.errors import ClientError
+from kinference.loadgen.live import ProgressView
+from kinference.loadgen.plot import plot_sweep
+from kinference.loadgen.report import percentiles
+from kinference.loadgen.runner import LoadPlan, RunResult, run_sweep
 from pydantic import ValidationError
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from consumer.broker import EmbeddedBroker, create_topics
-from consumer.config import ServiceConfig
-from consumer.errors import KinferError
-from consumer.service import Service, resolve_device
-from handlers import Handler, HandlerContext, load_handler
-from loadgen.baselines import TRANSPORT_CONSUMER, LoopThread, MiniLM, PerMessageLoop, Relay, StaticBatchLoop
-from loadgen.cli import concurrency_list
-from loadgen.client import KinferClient
-from loadgen.corpus import PROFILES, builtin_corpus
-from loadgen.errors import ClientError
-from loadgen.live import ProgressView
-from loadgen.plot import plot_sweep
-from loadgen.report import percentiles
-from loadgen.runner import LoadPlan, RunResult, run_sweep
-
 log = logging.getLogger(__name__)
 
-Kind = Literal["ceiling", "transport", "baseline", "kinfer"]
+Kind = Literal["ceiling", "transport", "baseline", "kinference"]
 Topics = dict[str, str]
 
 
 @dataclass(frozen=True)
-class KinferSetting:
-    """One kinfer configuration to measure: a name and the ``ServiceConfig`` fields it changes."""
+class KinferenceSetting:
+    """One kinference configuration to measure: a name and the ``ServiceConfig`` fields it changes."""
 
     name: str
     overrides: dict[str, Any]
@@ -84,27 +83,28 @@ class KinferSetting:
 
 STATIC_DELAY_MS = 50.0
 _TOKEN_BUDGET = ServiceConfig.model_fields["max_batch_tokens"].default
-# Every setting spells out its policy and token budget, so that the one matching kinfer's defaults is found
+# Every setting spells out its policy and token budget, so that the one matching kinference's defaults is found
 # by comparing these fields (default_setting), not by a name that could go stale when a default changes.
-KINFER_SETTINGS: tuple[KinferSetting, ...] = (
-    KinferSetting("kinfer-greedy", {"batch_policy": "greedy", "max_batch_tokens": None},
+KINFERENCE_SETTINGS: tuple[KinferenceSetting, ...] = (
+    KinferenceSetting("kinference-greedy", {"batch_policy": "greedy", "max_batch_tokens": None},
                   "greedy batching, no token budget: FIFO batches bounded by count"),
-    KinferSetting("kinfer-greedy-tokens", {"batch_policy": "greedy", "max_batch_tokens": _TOKEN_BUDGET},
+    KinferenceSetting("kinference-greedy-tokens", {"batch_policy": "greedy", "max_batch_tokens": _TOKEN_BUDGET},
                   f"greedy batching within a budget of {_TOKEN_BUDGET} padded tokens, requests grouped by length"),
-    KinferSetting("kinfer-adaptive", {"batch_policy": "adaptive", "max_batch_tokens": None},
+    KinferenceSetting("kinference-adaptive", {"batch_policy": "adaptive", "max_batch_tokens": None},
                   "adaptive batching (waits only where its cost model says it pays), no token budget"),
-    KinferSetting("kinfer-adaptive-tokens", {"batch_policy": "adaptive", "max_batch_tokens": _TOKEN_BUDGET},
+    KinferenceSetting("kinference-adaptive-tokens", {"batch_policy": "adaptive", "max_batch_tokens": _TOKEN_BUDGET},
                   f"adaptive batching within a budget of {_TOKEN_BUDGET} padded tokens"),
-    KinferSetting("kinfer-static", {"batch_policy": "static", "max_batch_delay_ms": STATIC_DELAY_MS,
+    KinferenceSetting("kinference-static", {"batch_policy": "static", "max_batch_delay_ms": STATIC_DELAY_MS,
                                     "max_batch_tokens": None},
-                  f"static policy (TorchServe semantics, {STATIC_DELAY_MS:g} ms), no token budget, kinfer's stages"),
+                  f"static policy (TorchServe semantics, {STATIC_DELAY_MS:g} ms), no token budget, "
+                  "kinference's stages"),
 )
-# What tells kinfer settings apart: a setting is kinfer's default when these equal ServiceConfig()'s.
+# What tells kinference settings apart: a setting is kinference's default when these equal ServiceConfig()'s.
 _BATCHING_FIELDS = ("batch_policy", "max_batch_tokens", "max_batch_size", "max_batch_delay_ms", "target_latency_ms")
 
 
-def default_setting(settings: Sequence[KinferSetting] = KINFER_SETTINGS) -> str:
-    """The name of the setting ``kinfer serve`` runs with no options, which the targets judge: the one
+def default_setting(settings: Sequence[KinferenceSetting] = KINFERENCE_SETTINGS) -> str:
+    """The name of the setting ``kinference serve`` runs with no options, which the targets judge: the one
     whose batching fields equal ``ServiceConfig``'s defaults. ValueError unless exactly one does, or if
     a setting is not a valid ``ServiceConfig``."""
     defaults = ServiceConfig()
@@ -113,13 +113,13 @@ def default_setting(settings: Sequence[KinferSetting] = KINFER_SETTINGS) -> str:
         try:
             config = ServiceConfig(**setting.overrides)
         except ValidationError as exc:
-            raise ValueError(f"kinfer setting {setting.name}: {exc}") from exc
+            raise ValueError(f"kinference setting {setting.name}: {exc}") from exc
         if all(getattr(config, name) == getattr(defaults, name) for name in _BATCHING_FIELDS):
             matches.append(setting.name)
     if len(matches) != 1:
         wanted = ", ".join(f"{name}={getattr(defaults, name)!r}" for name in _BATCHING_FIELDS)
-        raise ValueError(f"exactly one kinfer setting must match kinfer's default batching ({wanted}); "
-                         f"matching: {', '.join(matches) or 'none'}. Update KINFER_SETTINGS in loadgen/bench.py")
+        raise ValueError(f"exactly one kinference setting must match kinference's default batching ({wanted}); "
+                         f"matching: {', '.join(matches) or 'none'}. Update KINFERENCE_SETTINGS in loadgen/bench.py")
     return matches[0]
 
 
@@ -140,7 +140,7 @@ class Scenario:
     order: Literal["fifo", "grouped"] | None = None
 
 
-def _kinfer(overrides: dict[str, Any], handler: str = "embedding") -> Callable[[str, Topics], Any]:
+def _kinference(overrides: dict[str, Any], handler: str = "embedding") -> Callable[[str, Topics], Any]:
     @contextmanager
     def serve(bootstrap_servers: str, topics: Topics) -> Iterator[object]:
         config = ServiceConfig(
@@ -169,7 +169,7 @@ def _loop(make: Callable[[str, str], LoopThread]) -> Callable[[str, Topics], Any
 
 def _ready(ready: bool, group: str) -> None:
     if not ready:
-        raise KinferError(f"consumer group {group} got no partitions within {_READY_TIMEOUT_S:.0f} s")
+        raise KinferenceError(f"consumer group {group} got no partitions within {_READY_TIMEOUT_S:.0f} s")
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -178,8 +178,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("inproc-grouped", "ceiling", "the same with the corpus sorted by length before batching",
              order="grouped"),
     Scenario("relay", "transport", "plain confluent-kafka consume -> produce, values echoed", serve=_loop(Relay)),
-    Scenario("kinfer-echo", "transport", "kinfer (defaults) with the echo handler",
-             serve=_kinfer({}, handler="echo")),
+    Scenario("kinference-echo", "transport", "kinference (defaults) with the echo handler",
+             serve=_kinference({}, handler="echo")),
     Scenario("per-message", "baseline", "poll one record, embed it, produce the reply",
              serve=_loop(lambda bootstrap, topic: PerMessageLoop(bootstrap, topic, MiniLM()))),
     *(Scenario(f"torchserve-b{size}", "baseline",
@@ -187,8 +187,8 @@ SCENARIOS: tuple[Scenario, ...] = (
                serve=_loop(lambda bootstrap, topic, size=size: StaticBatchLoop(bootstrap, topic, MiniLM(), size,
                                                                                STATIC_DELAY_MS)))
       for size in (8, 32)),
-    *(Scenario(setting.name, "kinfer", setting.about, serve=_kinfer(setting.overrides))
-      for setting in KINFER_SETTINGS),
+    *(Scenario(setting.name, "kinference", setting.about, serve=_kinference(setting.overrides))
+      for setting in KINFERENCE_SETTINGS),
 )
 _BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 SCENARIO_NAMES = tuple(_BY_NAME)
@@ -205,7 +205,7 @@ class BenchOptions:
     ceiling_batch_sizes: tuple[int, ...] = (1, 8, 32)
     seed: int = 0
     progress: bool = True
-    command: str = "kinfer bench"
+    command: str = "kinference bench"
 
     def settings(self) -> dict[str, Any]:
         return {"concurrency": list(self.concurrency), "corpora": list(self.corpora), "duration_s": self.duration_s,
@@ -284,7 +284,7 @@ class Bench:
         rows = []
         self._step(f"{scenario.name}: starting its process")
         with (contender(scenario, self.bootstrap_servers, topics),
-              KinferClient(self.bootstrap_servers, topics["requests"], topics["replies"],
+              Client(self.bootstrap_servers, topics["requests"], topics["replies"],
                            timeout_s=options.timeout_s) as client):
             for corpus, values in payloads.items():
                 self._step(f"{scenario.name} on the {corpus} corpus, concurrency {list(options.concurrency)}")
@@ -301,7 +301,7 @@ class Bench:
 
 # Interpreter start, imports, model load and warm-up, then up to _READY_TIMEOUT_S for the group to form.
 _START_TIMEOUT_S = _READY_TIMEOUT_S + 120.0
-_STOP_TIMEOUT_S = 60.0  # a kinfer Service drains for shutdown_grace_s, then flushes and closes
+_STOP_TIMEOUT_S = 60.0  # a kinference Service drains for shutdown_grace_s, then flushes and closes
 _KILL_TIMEOUT_S = 5.0
 _STOP_POLL_S = 0.2
 
@@ -313,7 +313,7 @@ def contender(scenario: Scenario, bootstrap_servers: str, topics: Topics) -> Ite
     The child is a fresh interpreter ("spawn") that gets only names and strings and builds the contender
     itself. It reports back over a pipe: ``ready`` once its consumer has partitions, ``stopped`` after
     ``stop`` was set and it shut down cleanly, or ``failed`` with its traceback; each report is awaited
-    with a timeout, and a child that exits without one is an error too (KinferError either way). The
+    with a timeout, and a child that exits without one is an error too (KinferenceError either way). The
     child is joined on exit, and terminated (its own PID only) if it does not end in time.
     """
     spawn = multiprocessing.get_context("spawn")
@@ -353,17 +353,17 @@ def _contender_main(name: str, bootstrap_servers: str, topics: Topics, report: C
 
 
 def _expect(word: str, child: BaseProcess, receive: Connection, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for ``child`` to report ``word``; KinferError with what happened instead."""
+    """Wait up to ``timeout_s`` for ``child`` to report ``word``; KinferenceError with what happened instead."""
     what = f"{child.name} (pid {child.pid})"
     if not multiprocessing.connection.wait([receive, child.sentinel], timeout_s):
-        raise KinferError(f"{what} did not report {word} within {timeout_s:.0f} s")
+        raise KinferenceError(f"{what} did not report {word} within {timeout_s:.0f} s")
     try:
         said, detail = receive.recv()
     except EOFError:
         child.join(_KILL_TIMEOUT_S)
-        raise KinferError(f"{what} exited with code {child.exitcode} before it reported {word}") from None
+        raise KinferenceError(f"{what} exited with code {child.exitcode} before it reported {word}") from None
     if said != word:
-        raise KinferError(f"{what} failed:\n{detail}")
+        raise KinferenceError(f"{what} failed:\n{detail}")
 
 
 def _reap(child: BaseProcess) -> None:
@@ -415,7 +415,7 @@ def measure_ceiling(handler: Handler, payloads: Sequence[dict[str, str]], order:
 
 
 def handle(handler: Handler, payloads: Sequence[Any]) -> list[Any]:
-    """Everything kinfer asks of the handler for one batch: ``validate`` each payload (which tokenises text),
+    """Everything kinference asks of the handler for one batch: ``validate`` each payload (which tokenises text),
     then ``preprocess``, ``inference`` and ``postprocess``."""
     items = [handler.validate(payload) for payload in payloads]
     return handler.postprocess(handler.inference(handler.preprocess(items)), items)
@@ -432,7 +432,8 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     top = max(settings["concurrency"])
     names = settings["scenarios"]
     judged = settings["default_setting"]
-    contenders = [s["name"] for s in report["scenarios"] if s["kind"] in ("baseline", "kinfer") and s["name"] != judged]
+    contenders = [s["name"] for s in report["scenarios"]
+                  if s["kind"] in ("baseline", "kinference") and s["name"] != judged]
     targets: list[dict[str, Any]] = []
 
     def add(text: str, corpus: str, concurrency: int | None, value: float, limit: float, higher: bool,
@@ -482,7 +483,7 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                     mine["latency_ms"]["p99"] / tightest["latency_ms"]["p99"], 1.2, False,
                     f"{mine['latency_ms']['p99']:.1f} ms vs {tightest['scenario']} "
                     f"{tightest['latency_ms']['p99']:.1f} ms")
-        echo, relay = runs.get(("kinfer-echo", corpus, top)), runs.get(("relay", corpus, top))
+        echo, relay = runs.get(("kinference-echo", corpus, top)), runs.get(("relay", corpus, top))
         if echo and relay:
             add("echo handler >= 0.5x the relay", corpus, top, echo["steady_rps"] / max(relay["steady_rps"], 1e-9),
                 0.5, True, f"{echo['steady_rps']:.0f} vs {relay['steady_rps']:.0f} replies/s")
@@ -586,10 +587,10 @@ def plot_bench(report: dict[str, Any], path: Path) -> Path:
         model = [(name, runs) for name, runs in series.items() if kinds.get(name) != "transport"]
         transport += [(f"{name} ({corpus})", runs) for name, runs in series.items() if kinds.get(name) == "transport"]
         if model:
-            panels.append((f"kinfer bench, {corpus} corpus: model scenarios (flat lines: in-process ceilings)",
+            panels.append((f"kinference bench, {corpus} corpus: model scenarios (flat lines: in-process ceilings)",
                            model))
     if transport:
-        panels.append(("kinfer bench: transport (relay ceiling and kinfer's echo handler)", transport))
+        panels.append(("kinference bench: transport (relay ceiling and kinference's echo handler)", transport))
     if not panels:
         raise ValueError("nothing to plot")
     from matplotlib.image import imread, imsave
@@ -631,13 +632,13 @@ def _loadavg() -> list[float]:
 def build_parser() -> argparse.ArgumentParser:
     scenarios = "\n".join(f"  {s.name:<24}{s.kind:<11}{s.about}" for s in SCENARIOS)
     parser = argparse.ArgumentParser(
-        prog="kinfer bench",
+        prog="kinference bench",
         # Raw: the scenario list below is a table; textwrap would also split names at their hyphens.
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run every scenario (ceilings, user-style baselines, kinfer settings) on one embedded broker,\n"
+        description="Run every scenario (ceilings, user-style baselines, kinference settings) on one embedded broker,\n"
                     "model and corpus; print tables, write JSON and a plot.",
         epilog=f"scenarios:\n{scenarios}\n\nEach Kafka scenario runs in a process of its own. The targets judge the "
-               "kinfer setting whose\nbatching matches kinfer serve's defaults. See docs/benchmarks.md.",
+               "kinference setting whose\nbatching matches kinference serve's defaults. See docs/benchmarks.md.",
     )
     parser.add_argument("--concurrency", type=concurrency_list, metavar="C1,C2,...",
                         help="closed-loop concurrencies (default: 1,4,16,64,256; --quick: 1,4)")
@@ -671,14 +672,14 @@ def options_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchOptions:
         # steady_rps needs every worker busy when measuring begins: some warm-up is required.
         raise ValueError("--warmup, --duration and --timeout must be positive")
     scenarios = tuple(s for s in SCENARIOS if s.name in set(args.scenarios or SCENARIO_NAMES))
-    default_setting()  # a setting kinfer does not accept, or no clear default, fails here, not half-way through
+    default_setting()  # a setting kinference does not accept, or no clear default, fails here, not half-way through
     return BenchOptions(
         concurrency=tuple(pick(args.concurrency, (1, 4, 16, 64, 256), (1, 4))),
         corpora=tuple(pick(args.corpus, ("mixed", "short"), ("short",))),
         duration_s=duration, warmup_s=warmup, timeout_s=args.timeout,
         scenarios=scenarios,
         ceiling_batch_sizes=tuple(pick(args.ceiling_batch_sizes, (1, 8, 32), (1, 8))),
-        seed=args.seed, progress=not args.no_progress, command=" ".join(["kinfer bench", *argv]))
+        seed=args.seed, progress=not args.no_progress, command=" ".join(["kinference bench", *argv]))
 
 
 def main(argv: list[str]) -> int:
@@ -692,8 +693,8 @@ def main(argv: list[str]) -> int:
     console = Console()
     try:
         report = Bench(options, console).run()
-    except (KinferError, ClientError, RuntimeError) as exc:
-        console.print(f"[red]kinfer bench failed: {exc}[/red]")
+    except (KinferenceError, ClientError, RuntimeError) as exc:
+        console.print(f"[red]kinference bench failed: {exc}[/red]")
         return 1
     print_report(report, console)
     for name, path, write in (("report", args.out, _write_json), ("plot", args.plot, plot_bench),

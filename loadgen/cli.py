@@ -1,4 +1,4 @@
-"""``kinfer loadgen``: closed- or open-loop load, a concurrency sweep, a report, JSON and plots.
+"""``kinference loadgen``: closed- or open-loop load, a concurrency sweep, a report, JSON and plots.
 
 The flag names and JSON keys are public (docs/loadgen.md); do not rename them.
 """
@@ -14,27 +14,26 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from kinference.loadgen.client import Client
+from kinference.loadgen.corpus import PROFILES, builtin_corpus, read_jsonl
+from kinference.loadgen.errors import ClientError
+from kinference.loadgen.live import ProgressView
+from kinference.loadgen.plot import plot_run, plot_sweep
+from kinference.loadgen.runner import LoadPlan, run_load, run_sweep
+from kinference.loadgen.tables import run_table, sweep_table
 from rich.console import Console
-
-from loadgen.client import KinferClient
-from loadgen.corpus import PROFILES, builtin_corpus, read_jsonl
-from loadgen.errors import ClientError
-from loadgen.live import ProgressView
-from loadgen.plot import plot_run, plot_sweep
-from loadgen.runner import LoadPlan, run_load, run_sweep
-from loadgen.tables import run_table, sweep_table
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kinfer loadgen",
-        description="Send requests to kinfer through Kafka and measure replies.",
+        prog="kinference loadgen",
+        description="Send requests to kinference through Kafka and measure replies.",
         epilog="Closed loop: --concurrency C. Open loop: --rate R. Sweep: --sweep-concurrency 1,4,16,64.",
     )
     kafka = parser.add_argument_group("Kafka")
-    kafka.add_argument("--bootstrap-servers", default=os.environ.get("KINFER_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
-    kafka.add_argument("--request-topic", default="kinfer-requests")
-    kafka.add_argument("--reply-topic", default="kinfer-replies")
+    kafka.add_argument("--bootstrap-servers", default=os.environ.get("KINFERENCE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
+    kafka.add_argument("--request-topic", default="kinference-requests")
+    kafka.add_argument("--reply-topic", default="kinference-replies")
     kafka.add_argument("--reply-partition", type=int, help="reply partition to read (default: a random one)")
     kafka.add_argument("--kafka", action="append", default=[], metavar="KEY=VALUE",
                        help="librdkafka property for the client's producer and consumer (repeatable)")
@@ -59,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     output = parser.add_argument_group("output")
     output.add_argument("--out", type=Path, help="write the JSON report here")
     output.add_argument("--plot", type=Path, help="write a PNG plot here")
-    output.add_argument("--label", default="kinfer", help="name of this run's line in sweep plots")
+    output.add_argument("--label", default="kinference", help="name of this run's line in sweep plots")
     output.add_argument("--compare", type=Path, nargs="+", default=[], metavar="REPORT.json",
                         help="sweep reports (--out of earlier sweeps) drawn beside this one in --plot")
     output.add_argument("--no-progress", action="store_true", help="no live progress bar")
@@ -79,21 +78,21 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     console = Console()
-    client = KinferClient(args.bootstrap_servers, args.request_topic, args.reply_topic,
+    client = Client(args.bootstrap_servers, args.request_topic, args.reply_topic,
                           reply_partition=args.reply_partition, timeout_s=plan.timeout_s, kafka=kafka)
     try:
         with client:
             execute(client, plan, payloads, console, sweep=args.sweep_concurrency, out=args.out,
                     plot=args.plot, label=args.label, compare=compare, progress=not args.no_progress)
     except ClientError as exc:
-        console.print(f"[red]kinfer loadgen: {exc}[/red]")
+        console.print(f"[red]kinference loadgen: {exc}[/red]")
         return 1
     return 0
 
 
-def execute(client: KinferClient, plan: LoadPlan, payloads: Sequence[Any], console: Console, *,
+def execute(client: Client, plan: LoadPlan, payloads: Sequence[Any], console: Console, *,
             sweep: Sequence[int] | None = None, out: Path | None = None, plot: Path | None = None,
-            label: str = "kinfer", compare: Sequence[tuple[str, list[dict[str, Any]]]] = (),
+            label: str = "kinference", compare: Sequence[tuple[str, list[dict[str, Any]]]] = (),
             progress: bool = True) -> dict[str, Any]:
     """Run the load (or the sweep), print the report, write ``out`` and ``plot``; return the report."""
     header = {"label": label, "request_topic": client.request_topic, "reply_topic": client.reply_topic}
@@ -112,7 +111,7 @@ def execute(client: KinferClient, plan: LoadPlan, payloads: Sequence[Any], conso
         report = {**header, **results[0].report()}
         console.print(run_table(report))
         if plot:
-            plot_run(results[0].samples, plot, title=f"kinfer loadgen: {label}")
+            plot_run(results[0].samples, plot, title=f"kinference loadgen: {label}")
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

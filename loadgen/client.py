@@ -1,4 +1,4 @@
-"""The request-reply client: send a request to kinfer, get a future for its reply.
+"""The request-reply client: send a request to kinference, get a future for its reply.
 
 Reply routing (see docs/client.md): each client reads one partition of the reply topic by
 ``assign()`` (no consumer group, so no rebalance can move its replies to another process) and asks
@@ -28,11 +28,10 @@ from typing import Any
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-
-from consumer.protocol import CORRELATION_ID, DEADLINE_MS, REPLY_TO, SPRING_REPLY_PARTITION
-from loadgen.errors import ClientClosed, ClientError, DeliveryFailed, RequestTimeout, TooManyPending
-from loadgen.pending import ClientStats, Pending, PendingTable, settle
-from loadgen.reply import Reply
+from kinference.consumer.protocol import CORRELATION_ID, DEADLINE_MS, REPLY_TO, SPRING_REPLY_PARTITION
+from kinference.loadgen.errors import ClientClosed, ClientError, DeliveryFailed, RequestTimeout, TooManyPending
+from kinference.loadgen.pending import ClientStats, Pending, PendingTable, settle
+from kinference.loadgen.reply import Reply
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +50,11 @@ _CONSUMER_DEFAULTS = {
 }
 
 
-class KinferClient:
-    """``with KinferClient("127.0.0.1:9092", "requests", "replies") as client: client.request(v)``.
+class Client:
+    """``with Client("127.0.0.1:9092", "requests", "replies") as client: client.request(v)``.
 
     ``timeout_s`` is the default per-request timeout; with ``propagate_deadline`` the request also
-    carries it as ``kinfer-deadline-ms`` so the service skips work its caller no longer waits for.
+    carries it as ``kinference-deadline-ms`` so the service skips work its caller no longer waits for.
     At most ``max_pending`` requests await replies at once: beyond that ``send`` waits for room
     (within the request's timeout) and then raises ``TooManyPending``.
     """
@@ -95,14 +94,14 @@ class KinferClient:
 
     # --- lifecycle
 
-    def start(self) -> KinferClient:
+    def start(self) -> Client:
         """Check both topics exist, assign the reply partition at its end, start the reader thread."""
         if self._reader is not None:
             raise ClientError("client already started")
         common = {"bootstrap.servers": self._bootstrap_servers, **self._kafka}
         self._consumer = Consumer({**_CONSUMER_DEFAULTS, **common,
                                    # Required by librdkafka; never joined: the client only assigns.
-                                   "group.id": f"kinfer-client-{uuid.uuid4().hex}"})
+                                   "group.id": f"kinference-client-{uuid.uuid4().hex}"})
         try:
             self.reply_partition = self._assign_reply_partition()
         except KafkaException as exc:
@@ -114,7 +113,7 @@ class KinferClient:
         self._producer = Producer({**_PRODUCER_DEFAULTS, **common})
         self._routing = [(REPLY_TO, self.reply_topic.encode()),
                          (SPRING_REPLY_PARTITION, struct.pack(">i", self.reply_partition))]
-        self._reader = threading.Thread(target=self._read_replies, name="kinfer-client-reader", daemon=True)
+        self._reader = threading.Thread(target=self._read_replies, name="kinference-client-reader", daemon=True)
         self._reader.start()
         log.info("client ready: requests to %s, replies from %s[%d]", self.request_topic, self.reply_topic,
                  self.reply_partition)
@@ -133,7 +132,7 @@ class KinferClient:
             self._consumer.close()
         self._producer = self._consumer = None
 
-    def __enter__(self) -> KinferClient:
+    def __enter__(self) -> Client:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -270,7 +269,7 @@ class KinferClient:
         for topic in (self.request_topic, self.reply_topic):
             if topic not in metadata.topics or metadata.topics[topic].error is not None:
                 raise ClientError(f"topic {topic!r} does not exist on {self._bootstrap_servers}; create it "
-                                  "first (kinfer does not rely on topic auto-creation)")
+                                  "first (kinference does not rely on topic auto-creation)")
         partitions = sorted(metadata.topics[self.reply_topic].partitions)
         partition = random.choice(partitions) if self.reply_partition is None else self.reply_partition
         if partition not in partitions:

@@ -1,4 +1,4 @@
-"""``kinfer demo``: broker, topics, service with the bundled MiniLM model, a short concurrency sweep,
+"""``kinference demo``: broker, topics, service with the bundled MiniLM model, a short concurrency sweep,
 report, plot and JSON, and a clean shutdown, all in this one process (about 35 s on 2 cores)."""
 
 from __future__ import annotations
@@ -8,29 +8,28 @@ import logging
 import time
 from pathlib import Path
 
+from kinference.consumer.broker import EmbeddedBroker, create_topics
+from kinference.consumer.config import ServiceConfig
+from kinference.consumer.errors import KinferenceError
+from kinference.consumer.service import Service
+from kinference.loadgen.cli import concurrency_list, execute
+from kinference.loadgen.client import Client
+from kinference.loadgen.corpus import PROFILES, builtin_corpus
+from kinference.loadgen.runner import LoadPlan
 from rich.console import Console
 
-from consumer.broker import EmbeddedBroker, create_topics
-from consumer.config import ServiceConfig
-from consumer.errors import KinferError
-from consumer.service import Service
-from loadgen.cli import concurrency_list, execute
-from loadgen.client import KinferClient
-from loadgen.corpus import PROFILES, builtin_corpus
-from loadgen.runner import LoadPlan
-
-_TOPICS = {"kinfer-requests": 4, "kinfer-replies": 4, "kinfer-dead-letters": 1}
+_TOPICS = {"kinference-requests": 4, "kinference-replies": 4, "kinference-dead-letters": 1}
 # Tansu holds a group join for about session.timeout.ms / 2: a short session keeps start-up quick.
 _DEMO_KAFKA = {"session.timeout.ms": "6000", "heartbeat.interval.ms": "2000"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kinfer demo",
+        prog="kinference demo",
         description="Start the embedded broker and the service with the bundled MiniLM embedding model, run a "
                     "short concurrency sweep, print the report, write JSON and a plot, shut down.",
     )
-    parser.add_argument("--output-dir", type=Path, default=Path("kinfer-demo-output"),
+    parser.add_argument("--output-dir", type=Path, default=Path("kinference-demo-output"),
                         help="where the report, plot and logs go (default: %(default)s)")
     parser.add_argument("--handler", default="embedding", help="handler to serve (default: %(default)s)")
     parser.add_argument("--model", type=Path, help="local model directory (default: the bundled MiniLM)")
@@ -49,17 +48,17 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     output_dir = args.output_dir.resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(filename=output_dir / "kinfer-demo.log", level=logging.INFO,
+    logging.basicConfig(filename=output_dir / "kinference-demo.log", level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     console = Console()
     began = time.monotonic()
     try:
         _run(args, output_dir, console, began)
-    except (KinferError, ValueError) as exc:  # ValueError: pydantic's ValidationError of a bad flag
-        console.print(f"[red]kinfer demo failed: {exc}[/red] (log: {output_dir / 'kinfer-demo.log'})")
+    except (KinferenceError, ValueError) as exc:  # ValueError: pydantic's ValidationError of a bad flag
+        console.print(f"[red]kinference demo failed: {exc}[/red] (log: {output_dir / 'kinference-demo.log'})")
         return 1
     console.print(f"[bold green]demo finished in {time.monotonic() - began:.0f} s.[/bold green] "
-                  f"Files in {output_dir}: sweep.json (report), sweep.png (plot), kinfer-demo.log, broker.log")
+                  f"Files in {output_dir}: sweep.json (report), sweep.png (plot), kinference-demo.log, broker.log")
     return 0
 
 
@@ -72,8 +71,8 @@ def _run(args: argparse.Namespace, output_dir: Path, console: Console, began: fl
         create_topics(broker.bootstrap_servers, _TOPICS)
         step(f"broker on {broker.bootstrap_servers}; topics {', '.join(_TOPICS)}")
         config = ServiceConfig(
-            bootstrap_servers=broker.bootstrap_servers, request_topics=["kinfer-requests"],
-            reply_topic="kinfer-replies", dead_letter_topic="kinfer-dead-letters", group_id="kinfer-demo",
+            bootstrap_servers=broker.bootstrap_servers, request_topics=["kinference-requests"],
+            reply_topic="kinference-replies", dead_letter_topic="kinference-dead-letters", group_id="kinference-demo",
             handler=args.handler, model=args.model, max_batch_size=args.max_batch_size, kafka=_DEMO_KAFKA,
             # Loopback and any free port: the demo must not clash with a service already on 9400.
             metrics_host="127.0.0.1", metrics_port=0,
@@ -81,12 +80,12 @@ def _run(args: argparse.Namespace, output_dir: Path, console: Console, began: fl
         step(f"loading the {args.handler} handler and starting the service")
         with Service(config) as service:
             if not service.wait_ready(60):
-                raise KinferError("the service got no partitions within 60 s")
+                raise KinferenceError("the service got no partitions within 60 s")
             step(f"service ready: {service.handler.describe()}")
             sweep = args.sweep_concurrency
             plan = LoadPlan(concurrency=sweep[0], duration_s=args.duration, warmup_s=args.warmup)
             label = f"{args.handler}, max batch {args.max_batch_size}, {args.corpus} texts"
-            with KinferClient(broker.bootstrap_servers, "kinfer-requests", "kinfer-replies",
+            with Client(broker.bootstrap_servers, "kinference-requests", "kinference-replies",
                               timeout_s=plan.timeout_s) as client:
                 step(f"sweeping concurrency {sweep}: {args.warmup:g} s warm-up + {args.duration:g} s each")
                 execute(client, plan, builtin_corpus(args.corpus), console, sweep=sweep, out=output_dir / "sweep.json",

@@ -1,16 +1,16 @@
-"""Exceptions of the request-reply client. All derive from ``ClientError`` (a ``KinferError``)."""
+"""Exceptions of the request-reply client. All derive from ``ClientError`` (a ``KinferenceError``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from consumer.errors import KinferError
+from kinference.consumer.errors import KinferenceError
 
 if TYPE_CHECKING:
-    from loadgen.reply import Reply
+    from kinference.loadgen.reply import Reply
 
 
-class ClientError(KinferError):
+class ClientError(KinferenceError):
     """The client could not get a reply for a request."""
 
 
@@ -31,7 +31,7 @@ class ClientClosed(ClientError):
 
 
 class ReplyError(ClientError):
-    """The service answered with an error reply; ``code`` is one of ``consumer.errors.ErrorCode``."""
+    """The service answered with an error reply; ``code`` is one of ``kinference.ErrorCode``."""
 
     def __init__(self, code: str, message: str, reply: Reply) -> None:
         super().__init__(f"{code}: {message}")

@@ -18,7 +18,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadgen.errors import ClientClosed, TooManyPending
+from kinference.loadgen.errors import ClientClosed, TooManyPending
 
 _ANSWERED = "answered"
 _TIMED_OUT = "timed_out"

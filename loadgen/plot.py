@@ -6,12 +6,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kinference.loadgen.report import Sample, percentiles
 from matplotlib.figure import Figure
 
-from loadgen.report import Sample, percentiles
 
-
-def plot_run(samples: Sequence[Sample], path: Path, title: str = "kinfer loadgen") -> Path:
+def plot_run(samples: Sequence[Sample], path: Path, title: str = "kinference loadgen") -> Path:
     """Latency of each request against when it was sent, and the latency histogram."""
     figure = Figure(figsize=(12, 4.5), layout="constrained")
     over_time, histogram = figure.subplots(1, 2, width_ratios=(3, 2))
@@ -45,7 +44,7 @@ def plot_run(samples: Sequence[Sample], path: Path, title: str = "kinfer loadgen
 
 
 def plot_sweep(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: Path,
-               title: str = "kinfer concurrency sweep") -> Path:
+               title: str = "kinference concurrency sweep") -> Path:
     """Throughput and p50/p99 latency against concurrency; one line (one colour) per sweep, so
     several configurations (``label``, ``runs`` of a sweep report) compare on one figure."""
     figure = Figure(figsize=(12, 4.5), layout="constrained")

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-
-from consumer.protocol import (
+from kinference.consumer.protocol import (
     BATCH_SIZE,
     CORRELATION_ID,
     ERROR_CODE,
@@ -17,7 +16,7 @@ from consumer.protocol import (
     SERVICE_MS,
     STATUS,
 )
-from loadgen.errors import ReplyError
+from kinference.loadgen.errors import ReplyError
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +52,7 @@ class Reply:
 
     @property
     def status(self) -> str:
-        """``ok`` or ``error`` (kinfer-status); a reply without the header counts as ``ok``."""
+        """``ok`` or ``error`` (kinference-status); a reply without the header counts as ``ok``."""
         return self._text(STATUS) or "ok"
 
     @property

@@ -1,4 +1,4 @@
-"""Runs load against kinfer with the request-reply client, on one asyncio event loop.
+"""Runs load against kinference with the request-reply client, on one asyncio event loop.
 
 Closed loop (``concurrency``): that many workers, each sending its next request when the last one
 is answered (like ``ab -c``). Open loop (``rate``): requests are due at constant or Poisson
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from loadgen.client import KinferClient
-from loadgen.errors import DeliveryFailed, RequestTimeout, TooManyPending
-from loadgen.live import LiveStats, ProgressView
-from loadgen.report import Outcome, Sample, build_report
+from kinference.loadgen.client import Client
+from kinference.loadgen.errors import DeliveryFailed, RequestTimeout, TooManyPending
+from kinference.loadgen.live import LiveStats, ProgressView
+from kinference.loadgen.report import Outcome, Sample, build_report
 
 _TICK_S = 0.25
 
@@ -78,7 +78,7 @@ class RunResult:
                             settings=self.plan.settings())
 
 
-async def run_load(client: KinferClient, plan: LoadPlan, payloads: Sequence[Any],
+async def run_load(client: Client, plan: LoadPlan, payloads: Sequence[Any],
                    view: ProgressView | None = None, label: str = "run") -> RunResult:
     """Run ``plan``, cycling through ``payloads``; ``view`` shows live progress."""
     before = client.stats()
@@ -101,7 +101,7 @@ async def run_load(client: KinferClient, plan: LoadPlan, payloads: Sequence[Any]
     return result
 
 
-async def run_sweep(client: KinferClient, plan: LoadPlan, concurrencies: Sequence[int],
+async def run_sweep(client: Client, plan: LoadPlan, concurrencies: Sequence[int],
                     payloads: Sequence[Any], view: ProgressView | None = None) -> list[RunResult]:
     """One closed-loop run per concurrency, in order, each with its own warm-up."""
     return [await run_load(client, replace(plan, concurrency=c, rate=None), payloads, view, f"c={c}")
@@ -109,7 +109,7 @@ async def run_sweep(client: KinferClient, plan: LoadPlan, concurrencies: Sequenc
 
 
 class _Run:
-    def __init__(self, client: KinferClient, plan: LoadPlan, payloads: Sequence[Any],
+    def __init__(self, client: Client, plan: LoadPlan, payloads: Sequence[Any],
                  samples: list[Sample]) -> None:
         if not payloads:
             raise ValueError("no payloads to send")

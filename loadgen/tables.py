@@ -9,7 +9,7 @@ from rich import box
 from rich.table import Table
 
 
-def run_table(report: dict[str, Any], title: str = "kinfer loadgen") -> Table:
+def run_table(report: dict[str, Any], title: str = "kinference loadgen") -> Table:
     table = Table(title=title, show_header=False, title_justify="left", box=box.SIMPLE)
     table.add_column(style="bold")
     table.add_column(justify="right")
@@ -34,7 +34,7 @@ def run_table(report: dict[str, Any], title: str = "kinfer loadgen") -> Table:
     return table
 
 
-def sweep_table(runs: Sequence[dict[str, Any]], title: str = "kinfer concurrency sweep (latency in ms)") -> Table:
+def sweep_table(runs: Sequence[dict[str, Any]], title: str = "kinference concurrency sweep (latency in ms)") -> Table:
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for name in ("conc", "sent", "ok", "errors", "lost", "rps", "p50", "p90", "p99", "p99.9", "max", "batch"):
         table.add_column(name, justify="right", no_wrap=True)

@@ -1,6 +1,6 @@
 """Shared fixtures: one real broker per test session, unique topic and group names per test.
 
-The broker is the embedded Tansu broker by default. With ``KINFER_TEST_BROKER=kafka`` (and a Docker
+The broker is the embedded Tansu broker by default. With ``KINFERENCE_TEST_BROKER=kafka`` (and a Docker
 engine) the same tests run against Apache Kafka started by testcontainers.
 """
 
@@ -12,8 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-
-from consumer.broker import EmbeddedBroker, create_topics
+from kinference.consumer.broker import EmbeddedBroker, create_topics
 
 # Settings that keep tests fast on any broker: Tansu holds a group join for ~session.timeout.ms / 2.
 TEST_CONSUMER_PROPERTIES = {
@@ -36,7 +35,7 @@ class TestBroker:
 
 @pytest.fixture(scope="session")
 def broker() -> Iterator[TestBroker]:
-    kind = os.environ.get("KINFER_TEST_BROKER", "tansu")
+    kind = os.environ.get("KINFERENCE_TEST_BROKER", "tansu")
     if kind == "kafka":
         from testcontainers.kafka import KafkaContainer
 
@@ -46,7 +45,7 @@ def broker() -> Iterator[TestBroker]:
         with EmbeddedBroker() as tansu:
             yield TestBroker(tansu.bootstrap_servers, "tansu")
     else:
-        raise pytest.UsageError(f"KINFER_TEST_BROKER must be 'tansu' or 'kafka', not {kind!r}")
+        raise pytest.UsageError(f"KINFERENCE_TEST_BROKER must be 'tansu' or 'kafka', not {kind!r}")
 
 
 @pytest.fixture

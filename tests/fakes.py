@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from consumer.protocol import Request
+from kinference.consumer.protocol import Request
 
 _offsets = itertools.count()
 

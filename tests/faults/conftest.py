@@ -14,7 +14,7 @@ from tests.faults.harness import Settings
 @pytest.fixture
 def fault_settings(broker) -> Callable[..., Settings]:
     """``fault_settings(partitions=3, **flags)``: new request (``partitions``), reply (1) and
-    dead-letter (1) topics and a new group id, as the ``kinfer serve`` flags of a test's members."""
+    dead-letter (1) topics and a new group id, as the ``kinference serve`` flags of a test's members."""
 
     def make(partitions: int = 3, **overrides: Any) -> Settings:
         topics = broker.topics(requests=partitions, replies=1, dead=1)

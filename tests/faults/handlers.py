@@ -1,4 +1,4 @@
-"""Handlers for the fault tests, loaded by ``kinfer serve --handler tests.faults.handlers:TaggedEcho``."""
+"""Handlers for the fault tests, loaded by ``kinference serve --handler tests.faults.handlers:TaggedEcho``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 import time
 from typing import Any
 
-from handlers.base import HandlerContext
-from handlers.echo import EchoHandler
+from kinference.handlers.base import HandlerContext
+from kinference.handlers.echo import EchoHandler
 
 
 class TaggedEcho(EchoHandler):

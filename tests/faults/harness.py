@@ -1,10 +1,10 @@
-"""Process-level fault injection for kinfer: members, load, commit watch and an audit of every reply.
+"""Process-level fault injection for kinference: members, load, commit watch and an audit of every reply.
 
-- ``Member``: one ``kinfer serve`` child process (JSON logs on stderr, parsed as they arrive into
+- ``Member``: one ``kinference serve`` child process (JSON logs on stderr, parsed as they arrive into
   ``assigned``/``revoked``/``lost`` events stamped with the child's own wall clock), stopped by PID.
 - ``Group``: the members of one consumer group; ``wait_stable`` waits until the live members own every
   partition exactly once; leaving the ``with`` block SIGKILLs whatever still runs.
-- ``Load``: a thread that sends ``{"seq": i}`` requests at a steady rate with ``KinferClient`` and
+- ``Load``: a thread that sends ``{"seq": i}`` requests at a steady rate with ``Client`` and
   keeps every future.
 - ``CommitWatch``: a thread that samples the group's committed offsets (with the time they were seen).
 - ``audit``: reads the whole request and reply topics and joins them on correlation id, so every
@@ -12,7 +12,7 @@
   puts its PID in the result) and when (the reply's CreateTime).
 
 Times that are compared with each other are epoch milliseconds taken on this one machine: log-line
-timestamps (``ts`` of kinfer's JSON logs), reply CreateTimes (set by the member's producer when it
+timestamps (``ts`` of kinference's JSON logs), reply CreateTimes (set by the member's producer when it
 produced the reply) and the moments this process killed a member or saw a commit.
 """
 
@@ -37,11 +37,11 @@ from typing import Any
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, TopicPartition
+from kinference.consumer import protocol
+from kinference.loadgen.client import Client
+from kinference.loadgen.errors import RequestTimeout
+from kinference.loadgen.reply import Reply
 
-from consumer import protocol
-from loadgen.client import KinferClient
-from loadgen.errors import RequestTimeout
-from loadgen.reply import Reply
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, headers_of
 
@@ -70,7 +70,7 @@ class Event:
 
 @dataclass(frozen=True)
 class Settings:
-    """What every member of a test group runs with (flags of ``kinfer serve``)."""
+    """What every member of a test group runs with (flags of ``kinference serve``)."""
 
     bootstrap: str
     topics: dict[str, str]
@@ -113,11 +113,11 @@ class Settings:
 
 
 class Member:
-    """``kinfer serve`` in a child process; its stderr is read line by line on a thread."""
+    """``kinference serve`` in a child process; its stderr is read line by line on a thread."""
 
     def __init__(self, name: str, args: list[str]) -> None:
         self.name = name
-        self.process = subprocess.Popen([sys.executable, "-m", "consumer.cli", "serve", *args], cwd=REPO,
+        self.process = subprocess.Popen([sys.executable, "-m", "kinference.consumer.cli", "serve", *args], cwd=REPO,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.pid = self.process.pid
         self.started_ms = now_ms()
@@ -256,7 +256,7 @@ class Group:
 
 
 def _epoch_ms(ts: str) -> int:
-    """kinfer's JSON log ``ts`` (UTC, millisecond precision) -> epoch ms."""
+    """kinference's JSON log ``ts`` (UTC, millisecond precision) -> epoch ms."""
     return int(datetime.strptime(ts, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp() * 1000 + 0.5)
 
 
@@ -267,7 +267,7 @@ class Load:
     """Sends ``{"seq": i}`` (key ``str(i)``) at ``rate`` per second from a thread until ``count`` are
     sent or ``stop()``; ``futures[i]`` is request i's future."""
 
-    def __init__(self, client: KinferClient, rate: float, count: int) -> None:
+    def __init__(self, client: Client, rate: float, count: int) -> None:
         self.client = client
         self.rate = rate
         self.count = count
@@ -315,8 +315,8 @@ class Load:
         return outcomes
 
 
-class AuditedClient(KinferClient):
-    """``KinferClient`` that also remembers the offset of every reply record its reader thread got,
+class AuditedClient(Client):
+    """``Client`` that also remembers the offset of every reply record its reader thread got,
     to tell a reply the broker never handed to the client from one the client dropped."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

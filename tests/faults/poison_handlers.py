@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Any
 
-from consumer.errors import InvalidInput
-from handlers.base import Handler, HandlerContext
+from kinference.consumer.errors import InvalidInput
+from kinference.handlers.base import Handler, HandlerContext
 
 
 class Recorder:

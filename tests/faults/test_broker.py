@@ -14,11 +14,11 @@ from collections import Counter
 
 import orjson
 import pytest
+from kinference.consumer import protocol
+from kinference.consumer.broker import EmbeddedBroker, create_topics, free_port
+from kinference.consumer.config import ServiceConfig
+from kinference.consumer.service import Service
 
-from consumer import protocol
-from consumer.broker import EmbeddedBroker, create_topics, free_port
-from consumer.config import ServiceConfig
-from consumer.service import Service
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, headers_of, produce, read
 

@@ -1,6 +1,6 @@
 """Exactly-once across SIGKILLs: a read_committed reader sees each request's reply exactly once.
 
-Needs Apache Kafka (``KINFER_TEST_BROKER=kafka``, Docker): Tansu's read_committed does not hide
+Needs Apache Kafka (``KINFERENCE_TEST_BROKER=kafka``, Docker): Tansu's read_committed does not hide
 aborted transactions, so on Tansu the replies of a killed member's open transaction stay visible.
 """
 
@@ -12,8 +12,8 @@ from collections import Counter
 
 import orjson
 import pytest
+from kinference.consumer import protocol
 
-from consumer import protocol
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, headers_of, produce, read
 from tests.integration.test_cli import ServeProcess
@@ -26,7 +26,7 @@ RATE_RPS = 300
 
 def test_sigkill_in_exactly_once_mode_leaves_no_duplicate_committed_reply(broker, unique_id):
     if broker.kind != "kafka":
-        pytest.skip("Tansu's read_committed shows aborted transactions: run with KINFER_TEST_BROKER=kafka "
+        pytest.skip("Tansu's read_committed shows aborted transactions: run with KINFERENCE_TEST_BROKER=kafka "
                     "(Apache Kafka via testcontainers, needs Docker)")
     topics = broker.topics(requests=3, replies=1, dead=1)
     group = f"eos-crash-{unique_id}"

@@ -2,7 +2,7 @@
 service (echo handler). Each gets exactly one reply, with the outcome the protocol promises for it, and a
 dead letter exactly when it is unreadable; the service stays healthy.
 
-The records come from a seeded ``random.Random`` (``KINFER_FUZZ_SEED`` to vary it), so a failure can be
+The records come from a seeded ``random.Random`` (``KINFERENCE_FUZZ_SEED`` to vary it), so a failure can be
 replayed. The expected outcome of each record is derived from its content with the service's own
 ``RequestDecoder`` (run here on the record as produced), its deadline and whether orjson can encode its
 echo. What this adds to the unit-level fuzz (tests/unit/test_fuzz_decoder.py) is everything between: the
@@ -23,16 +23,16 @@ from collections import Counter
 
 import orjson
 import pytest
+from kinference.consumer import protocol
+from kinference.consumer.errors import ErrorCode
+from kinference.consumer.service import Service
 
-from consumer import protocol
-from consumer.errors import ErrorCode
-from consumer.service import Service
 from tests.fakes import FakeRecord
 from tests.integration.kafka_io import headers_of, produce, read, service_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
-SEED = int(os.environ.get("KINFER_FUZZ_SEED", "20240611"))
+SEED = int(os.environ.get("KINFERENCE_FUZZ_SEED", "20240611"))
 COUNT = 3000
 MAX_REQUEST_BYTES = 2048
 MAX_HEADER_BYTES = 512
@@ -116,7 +116,7 @@ class Generator:
         for _ in range(rng.choice([0, 0, 1, 1, 2, 3, 5])):
             name = rng.choice([protocol.CORRELATION_ID, protocol.REPLY_TO, protocol.DEADLINE_MS,
                                protocol.SPRING_CORRELATION_ID, protocol.SPRING_REPLY_TOPIC,
-                               protocol.SPRING_REPLY_PARTITION, "x-trace", "", "ü-name", "kinfer-unknown"])
+                               protocol.SPRING_REPLY_PARTITION, "x-trace", "", "ü-name", "kinference-unknown"])
             headers.append((name, self.header_value(name)))
         if rng.random() < 0.03:
             headers.append(("x-pad", b"p" * rng.choice([MAX_HEADER_BYTES // 2, MAX_HEADER_BYTES])))

@@ -1,6 +1,6 @@
 """Overload: requests arrive at 3x the service's capacity for 60 s.
 
-The service (a real ``kinfer serve`` process) must pause its partitions instead of queueing without
+The service (a real ``kinference serve`` process) must pause its partitions instead of queueing without
 limit, keep its resident memory within the documented bound, never leave the group, and catch up
 afterwards with every request answered.
 """

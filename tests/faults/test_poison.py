@@ -4,7 +4,7 @@ dead letter when it cannot be read as a request), its batch neighbours succeed, 
 Poison and valid requests are produced together to a one-partition topic and batched by the static
 policy with ``max_batch_size`` equal to the number of records that reach the batcher (those that pass
 the handler's ``validate`` at admission), so they all share one batch: every one of them reports that
-batch size in ``kinfer-batch-size``, and the handler (``poison_handlers.Poison``) records the batches
+batch size in ``kinference-batch-size``, and the handler (``poison_handlers.Poison``) records the batches
 it computed.
 """
 
@@ -22,10 +22,10 @@ import orjson
 import pytest
 from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient
+from kinference.consumer import protocol
+from kinference.consumer.errors import ErrorCode
+from kinference.consumer.service import Service
 
-from consumer import protocol
-from consumer.errors import ErrorCode
-from consumer.service import Service
 from tests.faults.harness import Group
 from tests.faults.poison_handlers import Poison
 from tests.integration.kafka_io import headers_of, produce, read, service_config
@@ -125,7 +125,7 @@ def batched_cases() -> list[Case]:
     cases += [
         Case(b"noise-headers", _json({"n": 200}), [("x-binary", bytes(range(64))), ("", b""),
                                                    (protocol.CORRELATION_ID, None), (protocol.DEADLINE_MS, None),
-                                                   (protocol.REPLY_TO, None), ("Kinfer-Reply-To", b"!!")]),
+                                                   (protocol.REPLY_TO, None), ("Kinference-Reply-To", b"!!")]),
         Case(b"repeated-correlation", _json({"n": 201}), [(protocol.CORRELATION_ID, b"first"),
                                                           (protocol.CORRELATION_ID, b"second")]),
     ]
@@ -324,7 +324,7 @@ def test_a_reply_or_dead_letter_the_producer_refuses_does_not_kill_the_service(b
 
 # --- a reply-to topic that does not exist -------------------------------------------------------
 
-# kinfer's producer asks the broker not to create topics, and gives up on an unknown one after 1 s
+# kinference's producer asks the broker not to create topics, and gives up on an unknown one after 1 s
 # (librdkafka waits topic.metadata.propagation.max.ms, 30 s by default, before failing the reply).
 NO_AUTO_CREATE = {"allow.auto.create.topics": "false", "topic.metadata.propagation.max.ms": "1000"}
 
@@ -346,12 +346,12 @@ def require_no_auto_create(broker) -> None:
     if refused and topic not in admin.list_topics(timeout=10).topics:
         return
     pytest.skip(f"the {broker.kind} broker created topic {topic} on produce although the client asked it not "
-                "to: an unknown reply-to topic cannot be shown here (try KINFER_TEST_BROKER=kafka)")
+                "to: an unknown reply-to topic cannot be shown here (try KINFERENCE_TEST_BROKER=kafka)")
 
 
 def test_an_unknown_reply_to_topic_sends_the_request_to_the_dead_letter_topic(broker):
     """The reply cannot be delivered, so the request goes to the dead-letter topic with internal_error
-    (docs/protocol.md); its neighbour is answered; kinfer does not create the topic."""
+    (docs/protocol.md); its neighbour is answered; kinference does not create the topic."""
     require_no_auto_create(broker)
     topics = broker.topics(requests=1, replies=1, dead=1)
     missing = f"missing-{uuid.uuid4().hex[:10]}"
@@ -368,7 +368,7 @@ def test_an_unknown_reply_to_topic_sends_the_request_to_the_dead_letter_topic(br
     assert missing.encode() in headers[protocol.ERROR_MESSAGE] and headers[protocol.CORRELATION_ID] == b"c1"
     assert dead[b"poison"].value() == poison[1]
     admin = AdminClient({"bootstrap.servers": broker.bootstrap_servers})
-    assert missing not in admin.list_topics(timeout=10).topics, "kinfer must not have created the topic"
+    assert missing not in admin.list_topics(timeout=10).topics, "kinference must not have created the topic"
 
 
 def test_a_second_request_to_the_same_unknown_reply_to_topic_is_dead_lettered_too(broker):
@@ -389,8 +389,8 @@ def test_a_second_request_to_the_same_unknown_reply_to_topic_is_dead_lettered_to
 # --- the real process ---------------------------------------------------------------------------
 
 
-def test_kinfer_serve_process_survives_poison_and_keeps_answering(fault_settings):
-    """Every readable-or-not poison record through a real ``kinfer serve`` (default batching): the
+def test_kinference_serve_process_survives_poison_and_keeps_answering(fault_settings):
+    """Every readable-or-not poison record through a real ``kinference serve`` (default batching): the
     process keeps running, answers each record once with its code, and stops cleanly on SIGTERM."""
     settings = fault_settings(1)
     cases = unreadable_cases() + batched_cases()

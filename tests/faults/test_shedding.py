@@ -18,9 +18,9 @@ from contextlib import contextmanager
 import orjson
 import pytest
 from confluent_kafka import Message, Producer
+from kinference.consumer import protocol
+from kinference.consumer.service import Service
 
-from consumer import protocol
-from consumer.service import Service
 from tests.faults.poison_handlers import SlowEcho
 from tests.integration.kafka_io import headers_of, produce, read, service_config
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
+from kinference.consumer.config import ServiceConfig
 
-from consumer.config import ServiceConfig
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 
 
@@ -20,7 +20,7 @@ def service_config(bootstrap: str, topics: dict[str, str], **overrides: Any) -> 
         "request_topics": [topics["requests"]],
         "reply_topic": topics["replies"],
         "dead_letter_topic": topics["dead"],
-        "group_id": f"kinfer-test-{uuid.uuid4().hex[:8]}",
+        "group_id": f"kinference-test-{uuid.uuid4().hex[:8]}",
         "handler": "echo",
         "kafka": TEST_CONSUMER_PROPERTIES,
         "commit_interval_ms": 200,

@@ -2,8 +2,8 @@
 
 import time
 
-from consumer.errors import InvalidInput
-from handlers.echo import EchoHandler
+from kinference.consumer.errors import InvalidInput
+from kinference.handlers.echo import EchoHandler
 
 
 class SlowEcho(EchoHandler):

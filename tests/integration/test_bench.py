@@ -1,4 +1,4 @@
-"""``kinfer bench`` end to end, tiny: its own broker, the transport scenarios and the default kinfer setting,
+"""``kinference bench`` end to end, tiny: its own broker, the transport scenarios and the default kinference setting,
 each in a process of its own.
 
 No timing is asserted: only that every scenario x concurrency row is there, fully answered, and that
@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import orjson
 import pytest
-
-from consumer.config import ServiceConfig
-from consumer.errors import KinferError
-from loadgen import bench
+from kinference.consumer.config import ServiceConfig
+from kinference.consumer.errors import KinferenceError
+from kinference.loadgen import bench
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.model]
 
 PNG = b"\x89PNG\r\n\x1a\n"
 DEFAULT = bench.default_setting()
-KAFKA_SCENARIOS = ["relay", "kinfer-echo", DEFAULT]
+KAFKA_SCENARIOS = ["relay", "kinference-echo", DEFAULT]
 
 
 def test_quick_bench_writes_every_row_and_the_plot(tmp_path):
@@ -43,40 +42,40 @@ def test_quick_bench_writes_every_row_and_the_plot(tmp_path):
     # Only the targets whose scenarios ran are judged; each says whether it is met.
     assert {t["target"] for t in report["targets"]} >= {"echo handler >= 0.5x the relay"}
     assert all(isinstance(t["met"], bool) for t in report["targets"])
-    assert report["machine"]["cpus"] >= 1 and report["command"].startswith("kinfer bench --quick")
+    assert report["machine"]["cpus"] >= 1 and report["command"].startswith("kinference bench --quick")
 
     assert plot.read_bytes().startswith(PNG)
     assert f"| {DEFAULT} |" in table.read_text()
 
 
-def test_kinfer_settings_are_data():
-    """Each kinfer setting is a scenario; its overrides are valid ServiceConfig fields."""
-    kinfer = [s.name for s in bench.SCENARIOS if s.kind == "kinfer"]
-    assert kinfer == [setting.name for setting in bench.KINFER_SETTINGS]
-    for setting in bench.KINFER_SETTINGS:
+def test_kinference_settings_are_data():
+    """Each kinference setting is a scenario; its overrides are valid ServiceConfig fields."""
+    kinference = [s.name for s in bench.SCENARIOS if s.kind == "kinference"]
+    assert kinference == [setting.name for setting in bench.KINFERENCE_SETTINGS]
+    for setting in bench.KINFERENCE_SETTINGS:
         ServiceConfig(**setting.overrides)
 
 
-def test_the_default_setting_is_what_kinfer_serve_runs():
-    (setting,) = [s for s in bench.KINFER_SETTINGS if s.name == DEFAULT]
+def test_the_default_setting_is_what_kinference_serve_runs():
+    (setting,) = [s for s in bench.KINFERENCE_SETTINGS if s.name == DEFAULT]
     chosen, defaults = ServiceConfig(**setting.overrides), ServiceConfig()
     for name in ("batch_policy", "max_batch_tokens", "max_batch_size", "max_batch_delay_ms", "target_latency_ms"):
         assert getattr(chosen, name) == getattr(defaults, name), name
 
 
 def test_no_or_two_default_settings_fail_loudly():
-    as_default = bench.KinferSetting("a", {}, "")  # no overrides: kinfer's defaults, whatever they are
-    other = bench.KinferSetting("b", {"max_batch_size": 7}, "")
+    as_default = bench.KinferenceSetting("a", {}, "")  # no overrides: kinference's defaults, whatever they are
+    other = bench.KinferenceSetting("b", {"max_batch_size": 7}, "")
     with pytest.raises(ValueError, match="matching: none"):
         bench.default_setting([other])
     with pytest.raises(ValueError, match="matching: a, a2"):
-        bench.default_setting([as_default, bench.KinferSetting("a2", {}, ""), other])
+        bench.default_setting([as_default, bench.KinferenceSetting("a2", {}, ""), other])
 
 
 def test_a_contender_that_fails_to_start_is_an_error_not_a_hang():
     """The child reports its traceback (here: no request topic given) and the bench raises it."""
     relay = next(s for s in bench.SCENARIOS if s.name == "relay")
-    failed = pytest.raises(KinferError, match=r"bench-relay \(pid \d+\) failed:(.|\n)*KeyError: 'requests'")
+    failed = pytest.raises(KinferenceError, match=r"bench-relay \(pid \d+\) failed:(.|\n)*KeyError: 'requests'")
     with failed, bench.contender(relay, "127.0.0.1:9", {}):
         pytest.fail("the contender should not have been ready")
 

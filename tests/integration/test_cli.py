@@ -1,4 +1,4 @@
-"""``kinfer serve`` as users run it: a separate process, configured by env vars and flags, stopped by SIGTERM."""
+"""``kinference serve`` as users run it: a separate process, configured by env vars and flags, stopped by SIGTERM."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ pytestmark = pytest.mark.integration
 
 
 class ServeProcess:
-    """``kinfer serve`` in a child process whose stderr is collected line by line."""
+    """``kinference serve`` in a child process whose stderr is collected line by line."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "consumer.cli", "serve", *args],
+        self.process = subprocess.Popen([sys.executable, "-m", "kinference.consumer.cli", "serve", *args],
                                         env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.assigned = threading.Event()
@@ -51,11 +51,11 @@ class ServeProcess:
 def test_serve_process_answers_and_exits_zero_on_sigterm(broker, unique_id, tmp_path):
     topics = broker.topics(requests=2, replies=1, dead=1)
     group = f"cli-{unique_id}"
-    config_file = tmp_path / "kinfer.yaml"
+    config_file = tmp_path / "kinference.yaml"
     config_file.write_text(f"reply_topic: {topics['replies']}\nmax_batch_size: 8\nkafka:\n"
                            + "".join(f"  {k}: '{v}'\n" for k, v in TEST_CONSUMER_PROPERTIES.items()))
-    env = {"KINFER_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "KINFER_DEAD_LETTER_TOPIC": topics["dead"],
-           "KINFER_HANDLER": "echo"}
+    env = {"KINFERENCE_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "KINFERENCE_DEAD_LETTER_TOPIC": topics["dead"],
+           "KINFERENCE_HANDLER": "echo"}
     serve = ServeProcess(["--config", str(config_file), "--request-topics", topics["requests"], "--group-id", group],
                          env)
     try:
@@ -73,7 +73,8 @@ def test_serve_process_answers_and_exits_zero_on_sigterm(broker, unique_id, tmp_
 
 def test_serve_rejects_bad_configuration_with_exit_code_2():
     result = subprocess.run(
-        [sys.executable, "-m", "consumer.cli", "serve", "--max-batch-size", "0", "--micro-batch-size", "many"],
+        [sys.executable, "-m", "kinference.consumer.cli", "serve", "--max-batch-size", "0",
+         "--micro-batch-size", "many"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2
@@ -85,8 +86,8 @@ def test_serve_with_embedded_broker_on_defaults():
     try:
         assert serve.assigned.wait(60), serve.log
         bootstrap = re.search(r"embedded broker: --bootstrap-servers (\S+)", serve.log).group(1)
-        produce(bootstrap, "kinfer-requests", [(b"k", b'{"hello": "world"}', [])])
-        (reply,) = read(bootstrap, "kinfer-replies", 1)
+        produce(bootstrap, "kinference-requests", [(b"k", b'{"hello": "world"}', [])])
+        (reply,) = read(bootstrap, "kinference-replies", 1)
         assert orjson.loads(reply.value()) == {"result": {"hello": "world"}} and reply.key() == b"k"
         assert serve.terminate_and_wait() == 0, serve.log
     finally:
@@ -95,7 +96,7 @@ def test_serve_with_embedded_broker_on_defaults():
 
 def test_serve_rejects_an_unknown_librdkafka_property_with_exit_code_2():
     result = subprocess.run(
-        [sys.executable, "-m", "consumer.cli", "serve", "--handler", "echo", "--metrics-port", "-1",
+        [sys.executable, "-m", "kinference.consumer.cli", "serve", "--handler", "echo", "--metrics-port", "-1",
          "--kafka", "no.such.property=1"],
         capture_output=True, text=True, timeout=60,
     )

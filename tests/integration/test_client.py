@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
+from kinference.consumer.service import Service
+from kinference.handlers.echo import EchoHandler
+from kinference.loadgen import Client, ClientError, ReplyError, RequestTimeout
 
-from consumer.service import Service
-from handlers.echo import EchoHandler
-from loadgen import ClientError, KinferClient, ReplyError, RequestTimeout
 from tests.integration.kafka_io import service_config
 
 pytestmark = pytest.mark.integration
@@ -36,87 +36,87 @@ def served(broker):
         yield broker.bootstrap_servers, topics
 
 
-def client(served, topic: str = "requests", reply_topic: str | None = None, **options: Any) -> KinferClient:
+def client(served, topic: str = "requests", reply_topic: str | None = None, **options: Any) -> Client:
     bootstrap, topics = served
-    return KinferClient(bootstrap, topics[topic], reply_topic or topics["replies"],
+    return Client(bootstrap, topics[topic], reply_topic or topics["replies"],
                         **{"timeout_s": 10.0, **options})
 
 
 def test_requests_from_many_threads_get_their_own_replies(served):
     failures: list[str] = []
 
-    def caller(thread: int, kinfer: KinferClient) -> None:
+    def caller(thread: int, kinference: Client) -> None:
         for i in range(50):
             payload = {"thread": thread, "i": i}
-            if kinfer.request(payload, key=f"{thread}-{i}").result() != payload:
+            if kinference.request(payload, key=f"{thread}-{i}").result() != payload:
                 failures.append(f"{thread}/{i}")
-        futures = [(i, kinfer.send({"thread": thread, "f": i})) for i in range(50)]
+        futures = [(i, kinference.send({"thread": thread, "f": i})) for i in range(50)]
         failures.extend(f"{thread}/f{i}" for i, f in futures if f.result(10).result() != {"thread": thread, "f": i})
 
-    with client(served) as kinfer:
-        threads = [threading.Thread(target=caller, args=(t, kinfer)) for t in range(8)]
+    with client(served) as kinference:
+        threads = [threading.Thread(target=caller, args=(t, kinference)) for t in range(8)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(60)
-        stats = kinfer.stats()
+        stats = kinference.stats()
     assert not failures
     assert (stats.sent, stats.answered, stats.pending, stats.late, stats.duplicates) == (800, 800, 0, 0, 0)
 
 
 def test_asyncio_requests_resolve_to_the_right_replies_even_beyond_max_pending(served):
-    async def many(kinfer: KinferClient) -> list:
-        return await asyncio.gather(*(kinfer.request_async({"n": n}) for n in range(300)))
+    async def many(kinference: Client) -> list:
+        return await asyncio.gather(*(kinference.request_async({"n": n}) for n in range(300)))
 
-    with client(served, max_pending=16) as kinfer:
-        replies = asyncio.run(many(kinfer))
+    with client(served, max_pending=16) as kinference:
+        replies = asyncio.run(many(kinference))
         assert [reply.result() for reply in replies] == [{"n": n} for n in range(300)]
-        assert kinfer.stats().pending == 0
+        assert kinference.stats().pending == 0
 
 
 def test_batch_call_keeps_order(served):
-    with client(served) as kinfer:
-        outcomes = kinfer.request_many([{"n": n} for n in range(200)])
+    with client(served) as kinference:
+        outcomes = kinference.request_many([{"n": n} for n in range(200)])
     assert [o.result() for o in outcomes] == [{"n": n} for n in range(200)]
 
 
 def test_error_reply_is_a_reply_whose_result_raises(served):
-    with client(served) as kinfer:
-        reply = kinfer.request(b"{not json")
+    with client(served) as kinference:
+        reply = kinference.request(b"{not json")
     assert not reply.ok and reply.error_code == "bad_request"
     with pytest.raises(ReplyError):
         reply.result()
 
 
 def test_timeout_resolves_as_timeout_and_leaves_nothing_pending(served):
-    with client(served, "orphan") as kinfer:
+    with client(served, "orphan") as kinference:
         started = time.monotonic()
         with pytest.raises(RequestTimeout):
-            kinfer.request({"x": 1}, timeout_s=0.3)
+            kinference.request({"x": 1}, timeout_s=0.3)
         assert 0.3 <= time.monotonic() - started < 1.5
 
         async def one() -> None:
-            await kinfer.request_async({"x": 2}, timeout_s=0.2)
+            await kinference.request_async({"x": 2}, timeout_s=0.2)
 
         with pytest.raises(RequestTimeout):
             asyncio.run(one())
-        outcomes = kinfer.request_many([1, 2, 3], timeout_s=0.2)
+        outcomes = kinference.request_many([1, 2, 3], timeout_s=0.2)
         assert all(isinstance(o, RequestTimeout) for o in outcomes)
-        stats = kinfer.stats()
+        stats = kinference.stats()
     assert (stats.timed_out, stats.pending) == (5, 0)
 
 
 def test_late_reply_is_counted_and_delivered_to_nobody(served):
-    with client(served) as kinfer:
-        slow = kinfer.send({"nap": 0.8}, timeout_s=0.2)
+    with client(served) as kinference:
+        slow = kinference.send({"nap": 0.8}, timeout_s=0.2)
         with pytest.raises(RequestTimeout):
             slow.result(5)
         # Sent while the slow one is still being computed: it must get its own reply, not the late one.
-        assert kinfer.request({"fast": 1}).result() == {"fast": 1}
+        assert kinference.request({"fast": 1}).result() == {"fast": 1}
         deadline = time.monotonic() + 10
-        while kinfer.stats().late == 0 and time.monotonic() < deadline:
+        while kinference.stats().late == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        stats = kinfer.stats()
+        stats = kinference.stats()
     assert (stats.late, stats.answered, stats.timed_out, stats.pending) == (1, 1, 1, 0)
 
 
@@ -126,8 +126,8 @@ def test_clients_on_one_partition_share_it_and_a_third_reads_only_its_own(broker
     with client(served, reply_topic=shared, reply_partition=0) as a, \
             client(served, reply_topic=shared, reply_partition=0) as b, \
             client(served, reply_topic=shared, reply_partition=1) as c:
-        for kinfer, name in ((a, "a"), (b, "b"), (c, "c")):
-            assert [r.result() for r in kinfer.request_many([{name: i} for i in range(30)])] == \
+        for kinference, name in ((a, "a"), (b, "b"), (c, "c")):
+            assert [r.result() for r in kinference.request_many([{name: i} for i in range(30)])] == \
                    [{name: i} for i in range(30)]
         deadline = time.monotonic() + 10
         while (a.stats().unmatched, b.stats().unmatched) < (30, 30) and time.monotonic() < deadline:
@@ -141,15 +141,15 @@ def test_replies_already_on_the_partition_are_ignored(served):
     producer = Producer({"bootstrap.servers": bootstrap})
     for i in range(20):
         producer.produce(topics["replies"], b"{}", partition=1,
-                         headers=[("kinfer-correlation-id", f"old-{i}".encode())])
+                         headers=[("kinference-correlation-id", f"old-{i}".encode())])
     assert producer.flush(10) == 0
-    with client(served, reply_partition=1) as kinfer:
-        assert kinfer.request({"new": 1}).result() == {"new": 1}
-        assert kinfer.stats().answered == 1
+    with client(served, reply_partition=1) as kinference:
+        assert kinference.request({"new": 1}).result() == {"new": 1}
+        assert kinference.stats().answered == 1
 
 
 def test_missing_topic_fails_at_start_and_is_not_created(served):
     bootstrap, topics = served
     with pytest.raises(ClientError, match="does not exist"):
-        KinferClient(bootstrap, "no-such-topic-x1", topics["replies"]).start()
+        Client(bootstrap, "no-such-topic-x1", topics["replies"]).start()
     assert "no-such-topic-x1" not in AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10).topics

@@ -1,4 +1,4 @@
-"""``kinfer loadgen`` and ``kinfer demo`` against the real service (echo) on the test broker."""
+"""``kinference loadgen`` and ``kinference demo`` against the real service (echo) on the test broker."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import threading
 
 import orjson
 import pytest
+from kinference.consumer.service import Service
+from kinference.loadgen import cli, demo
 
-from consumer.service import Service
-from loadgen import cli, demo
 from tests.integration.kafka_io import service_config
 
 pytestmark = pytest.mark.integration

@@ -8,9 +8,9 @@ import urllib.request
 
 import orjson
 import pytest
+from kinference.consumer.service import Service
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumer.service import Service
 from tests.integration.kafka_io import produce, read, service_config
 
 pytestmark = pytest.mark.integration
@@ -69,28 +69,28 @@ def test_metrics_count_what_was_sent_and_readiness_follows_assignment(broker):
 
         def lag_is_zero() -> bool:
             metrics = samples(port)
-            lags = [value(metrics, "kinfer_consumer_lag", topic=topic, partition=str(p)) for _, p in produced.ends]
-            measured = [(("kinfer_consumer_lag", frozenset({"topic": topic, "partition": str(p)}.items()))
+            lags = [value(metrics, "kinference_consumer_lag", topic=topic, partition=str(p)) for _, p in produced.ends]
+            measured = [(("kinference_consumer_lag", frozenset({"topic": topic, "partition": str(p)}.items()))
                          in metrics) for _, p in produced.ends]
-            return all(measured) and lags == [0.0] * len(lags) and value(metrics, "kinfer_in_flight") == 0
+            return all(measured) and lags == [0.0] * len(lags) and value(metrics, "kinference_in_flight") == 0
 
         assert wait_for(lag_is_zero), "consumer lag did not drop to 0"
         metrics = samples(port)
 
-    assert value(metrics, "kinfer_requests_total", topic=topic, outcome="ok") == valid
-    assert value(metrics, "kinfer_requests_total", topic=topic, outcome="bad_request") == malformed
-    assert value(metrics, "kinfer_replies_total", status="ok") == valid
-    assert value(metrics, "kinfer_replies_total", status="error") == malformed
-    assert value(metrics, "kinfer_dead_letters_total") == malformed
-    assert value(metrics, "kinfer_batch_size_sum") == valid  # only valid requests reach a batch
-    assert 1 <= value(metrics, "kinfer_batch_size_count") <= valid
-    assert value(metrics, "kinfer_queue_wait_seconds_count", topic=topic) == valid
-    assert value(metrics, "kinfer_service_seconds_count", topic=topic) == valid + malformed
-    assert value(metrics, "kinfer_stage_seconds_count", stage="inference") == value(
-        metrics, "kinfer_batch_size_count")
-    assert value(metrics, "kinfer_commits_total") >= 1 and value(metrics, "kinfer_commit_failures_total") == 0
-    assert value(metrics, "kinfer_assigned_partitions") == 3
-    assert value(metrics, "kinfer_model_info", handler="echo") == 1
+    assert value(metrics, "kinference_requests_total", topic=topic, outcome="ok") == valid
+    assert value(metrics, "kinference_requests_total", topic=topic, outcome="bad_request") == malformed
+    assert value(metrics, "kinference_replies_total", status="ok") == valid
+    assert value(metrics, "kinference_replies_total", status="error") == malformed
+    assert value(metrics, "kinference_dead_letters_total") == malformed
+    assert value(metrics, "kinference_batch_size_sum") == valid  # only valid requests reach a batch
+    assert 1 <= value(metrics, "kinference_batch_size_count") <= valid
+    assert value(metrics, "kinference_queue_wait_seconds_count", topic=topic) == valid
+    assert value(metrics, "kinference_service_seconds_count", topic=topic) == valid + malformed
+    assert value(metrics, "kinference_stage_seconds_count", stage="inference") == value(
+        metrics, "kinference_batch_size_count")
+    assert value(metrics, "kinference_commits_total") >= 1 and value(metrics, "kinference_commit_failures_total") == 0
+    assert value(metrics, "kinference_assigned_partitions") == 3
+    assert value(metrics, "kinference_model_info", handler="echo") == 1
     # The adaptive policy's cost model is exposed (NaN until enough batches of different sizes ran).
-    assert {name for name, _ in metrics if name.startswith("kinfer_batch_cost_")} == {
-        "kinfer_batch_cost_fixed_seconds", "kinfer_batch_cost_per_unit_seconds"}
+    assert {name for name, _ in metrics if name.startswith("kinference_batch_cost_")} == {
+        "kinference_batch_cost_fixed_seconds", "kinference_batch_cost_per_unit_seconds"}

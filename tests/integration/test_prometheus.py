@@ -3,7 +3,7 @@
 Prometheus (Debian's ``prometheus`` package; .ci/run installs it) runs on loopback with a 1 s scrape
 interval and scrapes two services: ``echo`` answering a few hundred requests and some malformed ones
 (error outcomes and dead letters), and ``text-classification`` with a tiny local model (only text
-handlers report the padding metrics). Then every expression of deploy/grafana/dashboards/kinfer.json,
+handlers report the padding metrics). Then every expression of deploy/grafana/dashboards/kinference.json,
 the dashboard's variable and the prometheus-adapter rule behind the HPA must parse and return a finite
 value in the window of the run. Without a ``prometheus`` binary on PATH the tests skip.
 """
@@ -26,15 +26,15 @@ from typing import Any
 import orjson
 import pytest
 import yaml
+from kinference.consumer.service import Service
 
-from consumer.service import Service
 from tests.integration.kafka_io import produce, read, service_config
 from tests.models import build_tiny_classifier
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.model]
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kinfer.json"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kinference.json"
 ADAPTER = DEPLOY / "k8s" / "autoscaling" / "prometheus-adapter-values.yaml"
 HPA = DEPLOY / "k8s" / "autoscaling" / "hpa.yaml"
 PROMETHEUS = shutil.which("prometheus")
@@ -42,9 +42,9 @@ NO_PROMETHEUS = "needs the `prometheus` binary on PATH (Debian: apt-get install 
 SCRAPE_S = 1
 # Grafana's $__rate_interval is max(4 x scrape interval, ...): 4 s here; a little more rides out jitter.
 RATE_INTERVAL = "5s"
-NAMESPACE = "kinfer"  # what Kubernetes service discovery would add, for the adapter rule
+NAMESPACE = "kinference"  # what Kubernetes service discovery would add, for the adapter rule
 # The only series no run of this test can produce: the broker never refuses a reply here.
-MAY_BE_ABSENT = ("kinfer_delivery_failures_total",)
+MAY_BE_ABSENT = ("kinference_delivery_failures_total",)
 FALLBACK = " or on() vector(0)"
 WORDS = ("kafka", "stream", "inference", "batch", "latency")
 
@@ -191,7 +191,7 @@ def adapter_query(request_topic: str) -> tuple[str, str]:
 
 
 def scrape_config(targets: list[str]) -> dict[str, Any]:
-    """The compose stack's kinfer job with these static targets and a 1 s interval."""
+    """The compose stack's kinference job with these static targets and a 1 s interval."""
     (job,) = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
     job = {key: value for key, value in job.items() if not key.endswith("_sd_configs")}
     job.update(scrape_interval=f"{SCRAPE_S}s", scrape_timeout=f"{SCRAPE_S}s",
@@ -248,7 +248,7 @@ def test_dashboard_and_autoscaler_queries_return_data(broker, tmp_path):
             assert len(read(broker.bootstrap_servers, text_topics["replies"], texts)) == texts
             # Everything answered and committed: lag series exist and are 0, seen by Prometheus too.
             assert wait_for(lambda: [s["value"][1] for s in prometheus.instant(
-                f'sum by (topic) (kinfer_consumer_lag{{topic="{echo_topics["requests"]}"}})')] == ["0"], 30)
+                f'sum by (topic) (kinference_consumer_lag{{topic="{echo_topics["requests"]}"}})')] == ["0"], 30)
             time.sleep(3 * SCRAPE_S)
             end = time.time()
             failures = check_queries(prometheus, start, end, echo_topics["requests"])

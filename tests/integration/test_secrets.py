@@ -9,9 +9,8 @@ import sys
 import time
 
 import pytest
-
-from consumer.config import load_config
-from consumer.errors import ConfigError
+from kinference.consumer.config import load_config
+from kinference.consumer.errors import ConfigError
 
 pytestmark = pytest.mark.integration
 
@@ -30,12 +29,12 @@ def test_config_errors_and_repr_never_show_secrets():
 
 def test_a_failing_sasl_login_does_not_log_the_password(broker):
     # Tansu has no SASL: the handshake fails, and the service keeps retrying and logging errors.
-    env = {**os.environ, "KINFER_KAFKA": f'{{"sasl.password": "{SECRET}"}}'}
+    env = {**os.environ, "KINFERENCE_KAFKA": f'{{"sasl.password": "{SECRET}"}}'}
     process = subprocess.Popen(
-        [sys.executable, "-m", "consumer.cli", "serve", "--handler", "echo", "--metrics-port", "-1",
+        [sys.executable, "-m", "kinference.consumer.cli", "serve", "--handler", "echo", "--metrics-port", "-1",
          "--bootstrap-servers", broker.bootstrap_servers, "--log-level", "DEBUG", "--log-format", "json",
          "--kafka", "security.protocol=SASL_PLAINTEXT", "--kafka", "sasl.mechanism=PLAIN",
-         "--kafka", "sasl.username=kinfer"],
+         "--kafka", "sasl.username=kinference"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -46,5 +45,5 @@ def test_a_failing_sasl_login_does_not_log_the_password(broker):
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert "kinfer" in output and len(output) > 200, output  # it did log, including errors
+    assert "kinference" in output and len(output) > 200, output  # it did log, including errors
     assert SECRET not in output

@@ -7,9 +7,8 @@ import time
 from concurrent.futures import Future
 
 import pytest
-
-from loadgen.errors import ClientClosed, TooManyPending
-from loadgen.pending import PendingTable, settle
+from kinference.loadgen.errors import ClientClosed, TooManyPending
+from kinference.loadgen.pending import PendingTable, settle
 
 
 def far() -> float:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from kinference.consumer import protocol
+from kinference.loadgen.errors import ReplyError
+from kinference.loadgen.reply import Reply
 
-from consumer import protocol
-from loadgen.errors import ReplyError
-from loadgen.reply import Reply
 from tests.fakes import FakeRecord
 
 

@@ -1,7 +1,8 @@
 import random
 import threading
 
-from consumer.commit import OffsetTracker
+from kinference.consumer.commit import OffsetTracker
+
 from tests.fakes import make_request
 
 P0 = ("requests", 0)

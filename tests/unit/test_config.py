@@ -1,8 +1,7 @@
 import pytest
-
-from consumer.cli import build_parser
-from consumer.config import ServiceConfig, load_config
-from consumer.errors import ConfigError
+from kinference.consumer.cli import build_parser
+from kinference.consumer.config import ServiceConfig, load_config
+from kinference.consumer.errors import ConfigError
 
 
 def test_defaults_are_valid_and_low_latency():
@@ -14,10 +13,10 @@ def test_defaults_are_valid_and_low_latency():
 
 
 def test_precedence_cli_over_env_over_yaml(tmp_path):
-    yaml_file = tmp_path / "kinfer.yaml"
+    yaml_file = tmp_path / "kinference.yaml"
     yaml_file.write_text("max_batch_size: 8\nmax-batch-delay-ms: 7\ngroup_id: from-yaml\n"
                          "micro_batch_size: 4\nparallelism: {preprocess: 2, inference: 1, postprocess: 2}\n")
-    env = {"KINFER_MAX_BATCH_SIZE": "16", "KINFER_GROUP_ID": "from-env"}
+    env = {"KINFERENCE_MAX_BATCH_SIZE": "16", "KINFERENCE_GROUP_ID": "from-env"}
     config = load_config({"group_id": "from-cli", "max_batch_size": None}, yaml_file, env)
     assert config.group_id == "from-cli"
     assert config.max_batch_size == 16
@@ -53,11 +52,11 @@ def test_every_field_has_a_flag_and_description():
         ({"max_batch_size": 0}, "max_batch_size"),
         ({"micro_batch_size": 64, "max_batch_size": 32}, "micro_batch_size (64) must not exceed"),
         ({"request_topics": "a,a"}, "distinct"),
-        ({"reply_topic": "kinfer-requests"}, "both a request topic and a reply"),
+        ({"reply_topic": "kinference-requests"}, "both a request topic and a reply"),
         ({"batch_policy": "fifo"}, "batch_policy"),
         ({"max_in_flight": 4, "max_batch_size": 8}, "max_in_flight (4) must be at least"),
         ({"resume_in_flight": 100, "max_in_flight": 100}, "resume_in_flight must be below"),
-        ({"kafka": ["enable.auto.commit=true"]}, "kinfer commits offsets itself"),
+        ({"kafka": ["enable.auto.commit=true"]}, "kinference commits offsets itself"),
         ({"kafka": ["novalue"]}, "expected key=value"),
         ({"parallelism": {"inference": 0}}, "parallelism.inference"),
         ({"no_such_option": 1}, "no_such_option"),
@@ -70,8 +69,8 @@ def test_bad_values_fail_with_a_message_naming_the_fix(values, message):
 
 
 def test_env_bad_value_names_the_env_var():
-    with pytest.raises(ConfigError, match="KINFER_MAX_BATCH_SIZE"):
-        load_config(environ={"KINFER_MAX_BATCH_SIZE": "lots"})
+    with pytest.raises(ConfigError, match="KINFERENCE_MAX_BATCH_SIZE"):
+        load_config(environ={"KINFERENCE_MAX_BATCH_SIZE": "lots"})
 
 
 def test_config_is_frozen():
@@ -92,14 +91,14 @@ def test_every_option_is_documented():
     doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     for name, field in ServiceConfig.model_fields.items():
         default = field.default.model_dump() if hasattr(field.default, "model_dump") else field.default
-        row = f"| `--{name.replace('_', '-')}` | `{default!r}` | `KINFER_{name.upper()}` |"
+        row = f"| `--{name.replace('_', '-')}` | `{default!r}` | `KINFERENCE_{name.upper()}` |"
         assert row in doc, f"docs/configuration.md lacks or misstates: {row}"
 
 
 def test_key_value_options_merge_across_layers(tmp_path):
-    yaml_file = tmp_path / "kinfer.yaml"
+    yaml_file = tmp_path / "kinference.yaml"
     yaml_file.write_text("kafka:\n  security.protocol: SASL_SSL\n  sasl.username: from-yaml\n")
-    env = {"KINFER_KAFKA": '{"sasl.password": "from-secret", "sasl.username": "from-env"}'}
+    env = {"KINFERENCE_KAFKA": '{"sasl.password": "from-secret", "sasl.username": "from-env"}'}
     config = load_config({"kafka": ["sasl.mechanism=PLAIN"]}, yaml_file, env)
     assert {k: v for k, v in config.consumer_config().items() if k.startswith(("sasl", "security"))} == {
         "security.protocol": "SASL_SSL", "sasl.username": "from-env", "sasl.password": "from-secret",

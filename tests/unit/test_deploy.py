@@ -17,15 +17,14 @@ from typing import Any
 
 import pytest
 import yaml
-
-from consumer.cli import build_parser
-from consumer.config import ENV_PREFIX, ServiceConfig, load_config
-from consumer.metrics import Metrics
+from kinference.consumer.cli import build_parser
+from kinference.consumer.config import ENV_PREFIX, ServiceConfig, load_config
+from kinference.consumer.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
-DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kinfer.json"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kinference.json"
 YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
 CONFIG_ENV_VARS = {ENV_PREFIX + name.upper() for name in ServiceConfig.model_fields}
 # What Grafana defines itself, plus the dashboard's own variables (checked below).
@@ -62,8 +61,8 @@ def k8s_objects() -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def container(deployment: dict[str, Any]) -> dict[str, Any]:
-    (kinfer,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "kinfer"]
-    return kinfer
+    (kinference,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "kinference"]
+    return kinference
 
 
 def literal_env(env: list[dict[str, Any]]) -> dict[str, str]:
@@ -71,7 +70,7 @@ def literal_env(env: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def serve_config(args: list[str], environ: dict[str, str]) -> ServiceConfig:
-    """What ``kinfer serve ARGS`` would run with: the real parser, then the real config loader."""
+    """What ``kinference serve ARGS`` would run with: the real parser, then the real config loader."""
     parsed = build_parser().parse_args(["serve", *args])
     return load_config({name: getattr(parsed, name) for name in ServiceConfig.model_fields}, parsed.config, environ)
 
@@ -79,17 +78,17 @@ def serve_config(args: list[str], environ: dict[str, str]) -> ServiceConfig:
 def k8s_config(tmp_path: Path, extra_env: dict[str, str] | None = None) -> ServiceConfig:
     """The Deployment's args with --config pointing at the ConfigMap file it mounts."""
     objects = k8s_objects()
-    deployment = objects[("Deployment", "kinfer")]
-    kinfer = container(deployment)
-    args = list(kinfer["args"])
+    deployment = objects[("Deployment", "kinference")]
+    kinference = container(deployment)
+    args = list(kinference["args"])
     config_path = Path(args[args.index("--config") + 1])
-    (mount,) = [m for m in kinfer["volumeMounts"] if Path(m["mountPath"]) == config_path.parent]
+    (mount,) = [m for m in kinference["volumeMounts"] if Path(m["mountPath"]) == config_path.parent]
     (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
     data = objects[("ConfigMap", volume["configMap"]["name"])]["data"][config_path.name]
     local = tmp_path / config_path.name
     local.write_text(data)
     args[args.index("--config") + 1] = str(local)
-    return serve_config(args, {**literal_env(kinfer.get("env", [])), **(extra_env or {})})
+    return serve_config(args, {**literal_env(kinference.get("env", [])), **(extra_env or {})})
 
 
 def topic_partitions(script: str) -> dict[str, int]:
@@ -125,13 +124,13 @@ def dashboard_panels() -> list[dict[str, Any]]:
 
 
 def command_lines(text: str, program: str) -> list[list[str]]:
-    """Arguments after ``kinfer <program>`` on each line of the README's code blocks."""
+    """Arguments after ``kinference <program>`` on each line of the README's code blocks."""
     found = []
     for block in re.findall(r"```(?:bash)?\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("  #")[0]
-            if f"kinfer {program}" in line:
-                found.append(shlex.split(line.split(f"kinfer {program}", 1)[1]))
+            if f"kinference {program}" in line:
+                found.append(shlex.split(line.split(f"kinference {program}", 1)[1]))
     return found
 
 
@@ -161,13 +160,14 @@ def test_compose_stack_has_its_parts():
     assert kafka["image"].startswith("apache/kafka:")
     assert kafka["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft, no ZooKeeper
     assert services["topics"]["depends_on"]["kafka"]["condition"] == "service_healthy"
-    assert services["kinfer"]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
-    assert services["kinfer"]["build"]["dockerfile"] == "deploy/Dockerfile"
-    assert (DEPLOY / services["kinfer"]["build"]["context"] / services["kinfer"]["build"]["dockerfile"]).is_file()
-    (device,) = services["kinfer-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+    assert services["kinference"]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+    assert services["kinference"]["build"]["dockerfile"] == "deploy/Dockerfile"
+    build = services["kinference"]["build"]
+    assert (DEPLOY / build["context"] / build["dockerfile"]).is_file()
+    (device,) = services["kinference-gpu"]["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-    assert services["kinfer-gpu"]["profiles"] == ["gpu"] and services["loadgen"]["profiles"] == ["load"]
-    assert "profiles" not in services["kinfer"]  # plain `docker compose up` serves
+    assert services["kinference-gpu"]["profiles"] == ["gpu"] and services["loadgen"]["profiles"] == ["load"]
+    assert "profiles" not in services["kinference"]  # plain `docker compose up` serves
     for service in ("prometheus", "grafana"):
         for volume in services[service]["volumes"]:
             assert (DEPLOY / volume.split(":")[0]).exists(), volume
@@ -176,37 +176,37 @@ def test_compose_stack_has_its_parts():
 # --- flags and env vars exist --------------------------------------------------------------------------
 
 
-def test_every_kinfer_env_var_named_in_deploy_is_a_config_option():
+def test_every_kinference_env_var_named_in_deploy_is_a_config_option():
     files = [*YAML_FILES, DEPLOY / "Dockerfile", DEPLOY / "README.md"]
     unknown = {(path.name, name) for path in files
-               for name in re.findall(r"\bKINFER_[A-Z0-9_]+\b", path.read_text()) if name not in CONFIG_ENV_VARS}
+               for name in re.findall(r"\bKINFERENCE_[A-Z0-9_]+\b", path.read_text()) if name not in CONFIG_ENV_VARS}
     assert not unknown, f"not a ServiceConfig env var (docs/configuration.md): {sorted(unknown)}"
 
 
-def test_compose_kinfer_services_configure_a_valid_service():
+def test_compose_kinference_services_configure_a_valid_service():
     services = compose()["services"]
     created = topic_partitions(services["topics"]["command"][0])
-    for name in ("kinfer", "kinfer-gpu"):
+    for name in ("kinference", "kinference-gpu"):
         service = services[name]
         environ = {key: str(value) for key, value in service["environment"].items()}
         config = serve_config([str(arg) for arg in service.get("command", [])], environ)
         assert set(config.request_topics) | {config.reply_topic, config.dead_letter_topic} <= set(created), name
         port = str(config.metrics_port)
         assert f"127.0.0.1:{port}/readyz" in " ".join(service["healthcheck"]["test"]), name
-    assert services["kinfer-gpu"]["environment"]["KINFER_DEVICE"] == "cuda"
+    assert services["kinference-gpu"]["environment"]["KINFERENCE_DEVICE"] == "cuda"
 
 
 def test_compose_loadgen_and_readme_commands_parse():
-    loadgen_cli = pytest.importorskip("loadgen.cli")
+    loadgen_cli = pytest.importorskip("kinference.loadgen.cli")
     services = compose()["services"]
     loadgen = services["loadgen"]
-    assert loadgen["entrypoint"] == ["kinfer", "loadgen"]
+    assert loadgen["entrypoint"] == ["kinference", "loadgen"]
     args = loadgen_cli.build_parser().parse_args([str(arg) for arg in loadgen["command"]])
-    kinfer_env = services["kinfer"]["environment"]
-    assert args.request_topic in kinfer_env["KINFER_REQUEST_TOPICS"].split(",")
-    assert args.reply_topic == kinfer_env["KINFER_REPLY_TOPIC"]
-    # loadgen's --bootstrap-servers default reads the same env var as kinfer serve.
-    assert loadgen["environment"]["KINFER_BOOTSTRAP_SERVERS"] == kinfer_env["KINFER_BOOTSTRAP_SERVERS"]
+    kinference_env = services["kinference"]["environment"]
+    assert args.request_topic in kinference_env["KINFERENCE_REQUEST_TOPICS"].split(",")
+    assert args.reply_topic == kinference_env["KINFERENCE_REPLY_TOPIC"]
+    # loadgen's --bootstrap-servers default reads the same env var as kinference serve.
+    assert loadgen["environment"]["KINFERENCE_BOOTSTRAP_SERVERS"] == kinference_env["KINFERENCE_BOOTSTRAP_SERVERS"]
     readme = (DEPLOY / "README.md").read_text()
     for argv in command_lines(readme, "loadgen"):
         loadgen_cli.build_parser().parse_args(argv)
@@ -226,18 +226,18 @@ def test_k8s_deployment_configures_a_valid_service(tmp_path):
 def test_k8s_probes_ports_and_grace_agree_with_the_config(tmp_path):
     config = k8s_config(tmp_path)
     objects = k8s_objects()
-    deployment = objects[("Deployment", "kinfer")]
-    kinfer = container(deployment)
-    ports = {port["name"]: port["containerPort"] for port in kinfer["ports"]}
+    deployment = objects[("Deployment", "kinference")]
+    kinference = container(deployment)
+    ports = {port["name"]: port["containerPort"] for port in kinference["ports"]}
     assert ports["metrics"] == config.metrics_port
-    assert kinfer["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
-    assert kinfer["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    assert kinfer["resources"]["requests"]["cpu"] and kinfer["resources"]["requests"]["memory"]
+    assert kinference["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert kinference["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert kinference["resources"]["requests"]["cpu"] and kinference["resources"]["requests"]["memory"]
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > config.shutdown_grace_s
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    service = objects[("Service", "kinfer-metrics")]
+    service = objects[("Service", "kinference-metrics")]
     assert service["spec"]["selector"].items() <= labels.items()
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["metrics"]
 
@@ -245,36 +245,36 @@ def test_k8s_probes_ports_and_grace_agree_with_the_config(tmp_path):
 def test_autoscalers_follow_the_group_and_stop_at_the_partition_count(tmp_path):
     config = k8s_config(tmp_path)
     objects = k8s_objects()
-    job = objects[("Job", "kinfer-topics")]
+    job = objects[("Job", "kinference-topics")]
     script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
     partitions = topic_partitions(script)
     assert f"--bootstrap-server {config.bootstrap_servers} " in script
     assert set(config.request_topics) | {config.reply_topic, config.dead_letter_topic} <= set(partitions)
 
-    keda = objects[("ScaledObject", "kinfer")]
+    keda = objects[("ScaledObject", "kinference")]
     (trigger,) = keda["spec"]["triggers"]
     meta = trigger["metadata"]
-    assert trigger["type"] == "kafka" and keda["spec"]["scaleTargetRef"]["name"] == "kinfer"
+    assert trigger["type"] == "kafka" and keda["spec"]["scaleTargetRef"]["name"] == "kinference"
     assert meta["consumerGroup"] == config.group_id and meta["bootstrapServers"] == config.bootstrap_servers
     assert meta["topic"] in config.request_topics
     assert keda["spec"]["maxReplicaCount"] <= partitions[meta["topic"]]
 
-    hpa = objects[("HorizontalPodAutoscaler", "kinfer")]
+    hpa = objects[("HorizontalPodAutoscaler", "kinference")]
     (metric,) = hpa["spec"]["metrics"]
     selector = metric["external"]["metric"]["selector"]["matchLabels"]
-    assert hpa["spec"]["scaleTargetRef"]["name"] == "kinfer"
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "kinference"
     assert hpa["spec"]["maxReplicas"] <= partitions[selector["topic"]] and selector["topic"] in config.request_topics
     (rule,) = yaml.safe_load((K8S / "autoscaling" / "prometheus-adapter-values.yaml").read_text())["rules"]["external"]
     assert rule["name"]["as"] == metric["external"]["metric"]["name"]
     assert "<<.Series>>{<<.LabelMatchers>>}" in rule["metricsQuery"]
 
 
-def test_prometheus_scrapes_the_metrics_port_of_every_kinfer_service():
+def test_prometheus_scrapes_the_metrics_port_of_every_kinference_service():
     services = compose()["services"]
     (job,) = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
     (sd,) = job["dns_sd_configs"]
-    assert set(sd["names"]) == {"kinfer", "kinfer-gpu"}
-    assert all(str(sd["port"]) == services[name]["environment"]["KINFER_METRICS_PORT"] for name in sd["names"])
+    assert set(sd["names"]) == {"kinference", "kinference-gpu"}
+    assert all(str(sd["port"]) == services[name]["environment"]["KINFERENCE_METRICS_PORT"] for name in sd["names"])
 
 
 # --- metric names exist --------------------------------------------------------------------------------
@@ -283,10 +283,10 @@ def test_prometheus_scrapes_the_metrics_port_of_every_kinfer_service():
 @pytest.mark.parametrize("path", [DASHBOARD, *sorted((K8S / "autoscaling").glob("*.yaml"))],
                          ids=lambda p: p.name)
 def test_metric_names_exist_in_the_service(path):
-    used = set(re.findall(r"\bkinfer_[a-z_]+\b", path.read_text()))
+    used = set(re.findall(r"\bkinference_[a-z_]+\b", path.read_text()))
     exposed = exposed_metric_names()
     assert not used - exposed, f"{path.name} uses metrics the service does not expose: {sorted(used - exposed)}"
-    if path.name in ("kinfer.json", "hpa.yaml"):
+    if path.name in ("kinference.json", "hpa.yaml"):
         assert used, "expected metric names"
 
 
@@ -307,7 +307,7 @@ def test_dashboard_panels_are_well_formed():
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == provisioned["uid"] and target["expr"].strip()
             assert set(re.findall(r"\$(\w+)", target["expr"])) <= variables | GRAFANA_BUILTINS, target["expr"]
-    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/kinfer.yaml").read_text())
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/kinference.yaml").read_text())
     grafana = compose()["services"]["grafana"]
     mounts = dict(volume.split(":")[:2] for volume in grafana["volumes"])
     assert mounts["./grafana/dashboards"] == provider["providers"][0]["options"]["path"]
@@ -316,31 +316,31 @@ def test_dashboard_panels_are_well_formed():
 # --- the image -----------------------------------------------------------------------------------------
 
 
-def test_dockerfile_installs_kinfer_the_way_the_makefile_does():
+def test_dockerfile_installs_kinference_the_way_the_makefile_does():
     makefile = (ROOT / "Makefile").read_text()
     torch_spec = re.search(r"^TORCH_SPEC \?= (\S+)$", makefile, re.M).group(1)
     args = dockerfile_args()
     assert args["TORCH_SPEC"] == torch_spec, "deploy/Dockerfile's TORCH_SPEC must equal the Makefile's default"
     runs = [value for op, value in dockerfile_instructions() if op == "RUN" and "pip install" in value]
     torch_step = next(i for i, run in enumerate(runs) if '"${TORCH_SPEC}"' in run)
-    kinfer_step = next(i for i, run in enumerate(runs) if "/src${EXTRAS:+[${EXTRAS}]}" in run)
-    assert torch_step < kinfer_step, "torch first, then kinfer (which leaves the installed torch alone)"
+    kinference_step = next(i for i, run in enumerate(runs) if "/src${EXTRAS:+[${EXTRAS}]}" in run)
+    assert torch_step < kinference_step, "torch first, then kinference (which leaves the installed torch alone)"
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     extras = pyproject["project"]["optional-dependencies"]
     assert set(filter(None, args["EXTRAS"].split(","))) <= set(extras)
     copied = {Path(source).name for op, value in dockerfile_instructions() if op == "COPY"
               for source in value.split()[:-1]}
-    packages = {pattern.rstrip("*") for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    packages = set(pyproject["tool"]["setuptools"]["package-dir"].values())
     assert copied >= packages | {"pyproject.toml", pyproject["project"]["readme"]}
 
 
-def test_dockerfile_runs_kinfer_serve_as_non_root_with_a_health_check():
+def test_dockerfile_runs_kinference_serve_as_non_root_with_a_health_check():
     instructions = dockerfile_instructions()
     ops = dict(instructions)
-    assert json.loads(ops["ENTRYPOINT"]) == ["kinfer", "serve"]
+    assert json.loads(ops["ENTRYPOINT"]) == ["kinference", "serve"]
     user = ops["USER"].split(":")[0]
     assert user.isdigit() and int(user) != 0, "a numeric non-root USER (Kubernetes runAsNonRoot checks it)"
-    assert "/healthz" in ops["HEALTHCHECK"] and "KINFER_METRICS_PORT" in ops["HEALTHCHECK"]
+    assert "/healthz" in ops["HEALTHCHECK"] and "KINFERENCE_METRICS_PORT" in ops["HEALTHCHECK"]
     assert ops["EXPOSE"] == str(ServiceConfig.model_fields["metrics_port"].default)
     assert ops["FROM"] == "${BASE_IMAGE}" and "BASE_IMAGE" in dockerfile_args()
 
@@ -380,21 +380,21 @@ def test_compose_stack_smoke():
     reason = _docker_engine()
     if reason:
         pytest.skip(f"needs a working Docker engine with compose v2 to build and run deploy/: {reason}")
-    project = f"kinfer-smoke-{uuid.uuid4().hex[:8]}"
+    project = f"kinference-smoke-{uuid.uuid4().hex[:8]}"
     base = ["docker", "compose", "-f", str(DEPLOY / "docker-compose.yml"), "-p", project]
 
     def run(*args: str, timeout: int) -> subprocess.CompletedProcess:
         return subprocess.run([*base, *args], capture_output=True, text=True, timeout=timeout)
 
     try:
-        up = run("up", "-d", "--build", "--wait", "--wait-timeout", "600", "kinfer", timeout=1800)
+        up = run("up", "-d", "--build", "--wait", "--wait-timeout", "600", "kinference", timeout=1800)
         assert up.returncode == 0, up.stderr[-3000:]
         load = run("--profile", "load", "run", "--rm", "loadgen", "--requests", "100", "--concurrency", "4",
                    "--warmup", "0", "--no-progress", timeout=300)
         assert load.returncode == 0, load.stdout[-3000:] + load.stderr[-3000:]
-        scrape = run("exec", "-T", "kinfer", "python", "-c", "import urllib.request; print(urllib.request."
+        scrape = run("exec", "-T", "kinference", "python", "-c", "import urllib.request; print(urllib.request."
                      "urlopen('http://127.0.0.1:9400/metrics', timeout=5).read().decode())", timeout=60)
-        ok = re.search(r'^kinfer_requests_total\{[^}]*outcome="ok"[^}]*\} (\S+)', scrape.stdout, re.M)
+        ok = re.search(r'^kinference_requests_total\{[^}]*outcome="ok"[^}]*\} (\S+)', scrape.stdout, re.M)
         assert ok and float(ok.group(1)) >= 100, scrape.stdout[-3000:]
     finally:
         run("--profile", "load", "down", "-v", "--remove-orphans", timeout=300)

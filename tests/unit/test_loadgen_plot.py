@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from loadgen.plot import plot_run, plot_sweep
-from loadgen.report import Sample, build_report
+from kinference.loadgen.plot import plot_run, plot_sweep
+from kinference.loadgen.report import Sample, build_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

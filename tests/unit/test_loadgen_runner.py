@@ -8,14 +8,13 @@ import time
 
 import orjson
 import pytest
+from kinference.consumer import protocol
+from kinference.loadgen.errors import RequestTimeout
+from kinference.loadgen.live import LiveStats, ProgressView
+from kinference.loadgen.pending import ClientStats
+from kinference.loadgen.reply import Reply
+from kinference.loadgen.runner import LoadPlan, run_load, run_sweep
 from rich.console import Console
-
-from consumer import protocol
-from loadgen.errors import RequestTimeout
-from loadgen.live import LiveStats, ProgressView
-from loadgen.pending import ClientStats
-from loadgen.reply import Reply
-from loadgen.runner import LoadPlan, run_load, run_sweep
 
 
 class FakeClient:

@@ -1,13 +1,13 @@
 import logging
 
 import orjson
+from kinference.consumer.logs import JsonFormatter, TextFormatter, about
 
-from consumer.logs import JsonFormatter, TextFormatter, about
 from tests.fakes import make_request
 
 
 def record(**extra) -> logging.LogRecord:
-    entry = logging.LogRecord("kinfer.test", logging.WARNING, __file__, 1, "reply failed: %s", ("boom",), None)
+    entry = logging.LogRecord("kinference.test", logging.WARNING, __file__, 1, "reply failed: %s", ("boom",), None)
     entry.__dict__.update(extra)
     return entry
 
@@ -21,7 +21,7 @@ def test_json_lines_carry_the_request_coordinates():
 
 def test_lines_about_no_request_have_no_coordinates():
     line = orjson.loads(JsonFormatter().format(record()))
-    assert "topic" not in line and line["logger"] == "kinfer.test"
+    assert "topic" not in line and line["logger"] == "kinference.test"
 
 
 def test_text_lines_append_the_coordinates():

@@ -2,9 +2,9 @@ import struct
 
 import orjson
 import pytest
+from kinference.consumer import protocol
+from kinference.consumer.errors import ErrorCode, RequestError
 
-from consumer import protocol
-from consumer.errors import ErrorCode, RequestError
 from tests.fakes import FakeRecord
 
 DECODER = protocol.RequestDecoder("replies", max_request_bytes=100)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 from confluent_kafka import KafkaError
+from kinference.consumer.errors import ErrorCode, RequestError
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.protocol import encode_result
+from kinference.consumer.publisher import Publisher
 
-from consumer.errors import ErrorCode, RequestError
-from consumer.metrics import Metrics
-from consumer.protocol import encode_result
-from consumer.publisher import Publisher
 from tests.fakes import make_request
 
 
@@ -115,7 +115,7 @@ def test_undeliverable_reply_goes_to_the_dead_letter_topic_then_counts_as_answer
     assert wait_for(lambda: answered == [request])
     publisher.stop(5)
     (dead,) = FakeProducer.instances[0].delivered
-    assert dead.topic() == "dead" and dict(dead.headers())["kinfer-error-code"] == b"internal_error"
+    assert dead.topic() == "dead" and dict(dead.headers())["kinference-error-code"] == b"internal_error"
 
 
 def test_dead_letter_failure_leaves_the_request_unanswered():

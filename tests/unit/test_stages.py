@@ -5,11 +5,11 @@ import time
 
 import numpy as np
 import pytest
+from kinference.consumer.admission import admit
+from kinference.consumer.errors import InvalidInput, RequestError
+from kinference.consumer.stages import Pipeline, finite
+from kinference.handlers.base import Handler
 
-from consumer.admission import admit
-from consumer.errors import InvalidInput, RequestError
-from consumer.stages import Pipeline, finite
-from handlers.base import Handler
 from tests.fakes import make_request
 
 
@@ -200,7 +200,7 @@ def test_each_inference_thread_warms_the_model_up_before_serving():
 
     handler = WarmedPerThread()
     run_pipeline(handler, [[make_request({"x": 3})]], threads=(1, 2, 1))
-    assert sorted(handler.warmed_in) == ["kinfer-inference-0", "kinfer-inference-1"]
+    assert sorted(handler.warmed_in) == ["kinference-inference-0", "kinference-inference-1"]
 
 
 def test_a_failing_warm_up_fails_start_and_stops_the_threads():
@@ -212,5 +212,5 @@ def test_a_failing_warm_up_fails_start_and_stops_the_threads():
     with pytest.raises(RuntimeError, match="out of memory"):
         pipeline.start()
     time.sleep(0.2)
-    stages = ("kinfer-preprocess", "kinfer-inference", "kinfer-postprocess", "kinfer-dispatch")
+    stages = ("kinference-preprocess", "kinference-inference", "kinference-postprocess", "kinference-dispatch")
     assert not any(t.name.startswith(stages) and t.is_alive() for t in threading.enumerate())
