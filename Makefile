@@ -1,21 +1,29 @@
 # Two entry points: `make demo` runs kinference end to end on embedded defaults, `make test` runs the tests.
-# Each creates its own virtualenv in $(VENV) and installs what it needs.
+# Each creates its own virtualenv in $(VENV) and installs what it needs. Prerequisite: Python >= 3.11 with venv.
 PYTHON ?= python3
 VENV ?= .venv
-# The CPU build of torch. On a GPU machine install a CUDA build of torch first (see README), or set
-# TORCH_SPEC to the build you want; kinference accepts any torch >= 2.2.
+# torch is installed first, from PyTorch's CPU-only index, so that a CPU-only machine never downloads CUDA
+# wheels (PyPI's Linux torch is the CUDA build, several GB). On a GPU machine pick a CUDA index instead:
+#   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# TORCH_INDEX_URL= (empty) uses pip's own configuration: a mirror, or wheels on disk through find-links. That is
+# also what happens on a machine that cannot reach the index at all (it is checked first, with a warning).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kinference-installed
+# Evaluated only when torch is being installed: "--index-url URL" when the index answers, else nothing.
+TORCH_SOURCE = $(if $(TORCH_INDEX_URL),$(if $(shell $(PYTHON) -c 'import sys, urllib.request; \
+	urllib.request.urlopen(sys.argv[1], timeout=15)' '$(TORCH_INDEX_URL)/' >/dev/null 2>&1 && echo up),\
+	--index-url $(TORCH_INDEX_URL),$(warning $(TORCH_INDEX_URL) cannot be reached; torch comes from pip's own configuration)))
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-lowest lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet $(TORCH_SOURCE) "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
@@ -24,11 +32,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/kinference demo
 
+# The packaging test installs torch into a fresh venv as `install` does: KINFERENCE_TEST_TORCH tells it how.
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 KINFERENCE_TEST_TORCH='$(strip $(TORCH_SOURCE) $(TORCH_SPEC))' $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The unit tests on the lowest version of every dependency that pyproject.toml allows (their own venv).
+test-lowest:
+	PYTHON=$(PYTHON) TORCH_SOURCE='$(TORCH_SOURCE)' TORCH_SPEC='$(TORCH_SPEC)' bash .ci/lowest-versions.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check kinference consumer handlers loadgen tests
 
 clean:
-	rm -rf $(VENV) kinference-demo-output .pytest_cache
+	rm -rf $(VENV) .venv-lowest kinference-demo-output .pytest_cache

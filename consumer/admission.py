@@ -7,9 +7,10 @@ groups requests by length under the token budget.
 
 from __future__ import annotations
 
-from kinference.consumer.errors import ErrorCode, RequestError
-from kinference.consumer.protocol import Request
+from kinference.consumer.request import Request
+from kinference.errors import RequestError
 from kinference.handlers.base import Handler
+from kinference.protocol import ErrorCode
 
 
 def admit(handler: Handler, request: Request) -> None:

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kinference.consumer.cost import ArrivalRate, BatchCost
-from kinference.consumer.errors import ErrorCode, RequestError
-from kinference.consumer.protocol import Request
+from kinference.consumer.request import Request
+from kinference.errors import RequestError
+from kinference.protocol import ErrorCode
 
 BatchPolicy = Literal["adaptive", "greedy", "static"]
 

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from confluent_kafka.admin import AdminClient, NewTopic
-from kinference.consumer.errors import BrokerError
+from confluent_kafka.admin import AdminClient
+
+from kinference.errors import BrokerError
 
 log = logging.getLogger(__name__)
 
@@ -123,21 +124,3 @@ class EmbeddedBroker:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-def create_topics(
-    bootstrap_servers: str, topics: dict[str, int], timeout_s: float = 30.0, **config: str
-) -> None:
-    """Create ``{name: partitions}`` topics; topics that already exist are left as they are."""
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **config})
-    futures = admin.create_topics(
-        [NewTopic(name, num_partitions=parts, replication_factor=1) for name, parts in topics.items()],
-        operation_timeout=timeout_s,
-        request_timeout=timeout_s,
-    )
-    for name, future in futures.items():
-        try:
-            future.result(timeout_s)
-        except Exception as exc:
-            if "TOPIC_ALREADY_EXISTS" not in str(exc):
-                raise BrokerError(f"cannot create topic {name!r}: {exc}") from exc

@@ -1,8 +1,9 @@
-"""``kinference`` command line: ``serve``, ``broker``, ``loadgen``, ``demo`` and ``bench``.
+"""The service's commands: ``kinference serve``, ``topics``, ``healthcheck`` and ``broker``.
 
 ``serve`` has one flag per ``ServiceConfig`` field, generated from the model so flags, env vars,
 YAML keys and docs never drift apart: ``--max-batch-size`` <-> ``KINFERENCE_MAX_BATCH_SIZE`` <->
-``max_batch_size:``.
+``max_batch_size:``. ``topics create`` reads the same settings, so it creates exactly the topics that
+``serve`` will use, with the same Kafka properties (SASL included). ``kinference.cli`` dispatches here.
 """
 
 from __future__ import annotations
@@ -14,34 +15,25 @@ import sys
 import threading
 import types
 import typing
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from kinference.consumer.config import ENV_PREFIX, ServiceConfig, load_config
-from kinference.consumer.errors import KinferenceError
 from kinference.consumer.logs import setup_logging
+from kinference.errors import KinferenceError
 
 log = logging.getLogger("kinference")
 
 _HEALTH_CHECK_S = 1.0
+_TOPICS_FIELDS = ("bootstrap_servers", "request_topics", "reply_topic", "dead_letter_topic", "kafka")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    # loadgen and demo own their flags; hand them the rest of the command line untouched.
-    if argv and argv[0] == "loadgen":
-        from kinference.loadgen.cli import main as loadgen_main
-
-        return loadgen_main(argv[1:])
-    if argv and argv[0] == "demo":
-        from kinference.loadgen.demo import main as demo_main
-
-        return demo_main(argv[1:])
-    if argv and argv[0] == "bench":
-        from kinference.loadgen.bench import main as bench_main
-
-        return bench_main(argv[1:])
+def main(argv: list[str]) -> int:
+    """``argv`` starts with the command name (``serve``, ``topics``, ``healthcheck`` or ``broker``)."""
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
@@ -61,24 +53,46 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(serve)
     serve.set_defaults(run=run_serve)
 
+    topics = commands.add_parser(
+        "topics", help="create the service's topics",
+        description="Create the request, reply and dead-letter topics that `kinference serve` with the same "
+        f"settings uses (flags, {ENV_PREFIX}* env vars and --config, as for serve); existing topics are left "
+        "as they are. The Kafka properties (--kafka, e.g. SASL) go to the admin client.")
+    topics.add_argument("action", choices=["create"])
+    topics.add_argument("--config", type=Path, help="YAML file of option: value (as for serve)")
+    topics.add_argument("--partitions", type=int, default=6, help="partitions per request topic "
+                        "(the most members that can share the work; default: %(default)s)")
+    topics.add_argument("--reply-partitions", type=int, default=6,
+                        help="partitions of the reply topic (default: %(default)s)")
+    topics.add_argument("--replication-factor", type=int, default=-1,
+                        help="default: the broker's default.replication.factor")
+    add_config_flags(topics, _TOPICS_FIELDS)
+    topics.set_defaults(run=run_topics)
+
+    health = commands.add_parser(
+        "healthcheck", help="probe /healthz of a running serve; exit 0 when healthy",
+        description="GET /healthz of a running `kinference serve` and exit 0 if it answers 200. Without --url, "
+        "the address comes from that process's own flags, environment and --config (read from /proc), so "
+        "the container health check follows whatever port the service was given.")
+    health.add_argument("--url", help="the /healthz URL (default: derived from the serve process)")
+    health.add_argument("--pid", type=int, default=1, help="the serve process (default: %(default)s, the "
+                        "container's main process)")
+    health.add_argument("--timeout", type=float, default=4.0, help="seconds (default: %(default)s)")
+    health.set_defaults(run=run_healthcheck)
+
     broker = commands.add_parser("broker", help="run the embedded Tansu broker for local development")
     broker.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     broker.add_argument("--port", type=int, default=9092, help="listen port (default: %(default)s)")
     broker.add_argument("--storage", help="Tansu storage engine URL (default: memory, lost on exit)")
     broker.set_defaults(run=run_broker)
-
-    commands.add_parser("loadgen", help="drive load at a running service and report (see kinference loadgen -h)",
-                        add_help=False)
-    commands.add_parser("demo", help="broker + service + bundled model + load sweep, one command",
-                        add_help=False)
-    commands.add_parser("bench", help="every scenario side by side on one embedded broker (see kinference bench -h)",
-                        add_help=False)
     return parser
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field; values stay strings here and are validated by ``ServiceConfig``."""
-    for name, field in ServiceConfig.model_fields.items():
+def add_config_flags(parser: argparse.ArgumentParser, fields: Iterable[str] | None = None) -> None:
+    """One flag per config field (or per one of ``fields``); values stay strings here and are validated by
+    ``ServiceConfig``."""
+    for name in ServiceConfig.model_fields if fields is None else fields:
+        field = ServiceConfig.model_fields[name]
         flag = "--" + name.replace("_", "-")
         default = field.default.model_dump() if hasattr(field.default, "model_dump") else field.default
         help_text = f"{field.description} Default: {default!r}. Env: {ENV_PREFIX}{name.upper()}."
@@ -101,9 +115,11 @@ def _is_dict(annotation: Any) -> bool:
                                and any(typing.get_origin(arg) is dict for arg in typing.get_args(annotation)))
 
 
-def _config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    cli = {name: getattr(args, name) for name in ServiceConfig.model_fields}
-    return load_config(cli, args.config)
+def _config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None,
+                      cwd: Path | None = None) -> ServiceConfig:
+    cli = {name: getattr(args, name) for name in ServiceConfig.model_fields if hasattr(args, name)}
+    config_file = args.config if args.config is None or cwd is None else cwd / args.config
+    return load_config(cli, config_file, environ)
 
 
 def _stop_on_signals() -> threading.Event:
@@ -119,8 +135,9 @@ def _stop_on_signals() -> threading.Event:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kinference.consumer.broker import EmbeddedBroker, create_topics
+    from kinference.consumer.broker import EmbeddedBroker
     from kinference.consumer.service import Service
+    from kinference.consumer.topics import create_topics
 
     config = _config_from_args(args)
     setup_logging(config.log_level, config.log_format)
@@ -128,8 +145,7 @@ def run_serve(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         if config.embedded_broker:
             broker = stack.enter_context(EmbeddedBroker())
-            topics = [*config.request_topics, config.reply_topic, config.dead_letter_topic]
-            create_topics(broker.bootstrap_servers, dict.fromkeys(topics, 4))
+            create_topics(broker.bootstrap_servers, dict.fromkeys(config.topics(), 4))
             config = config.model_copy(update={"bootstrap_servers": broker.bootstrap_servers})
             log.info("embedded broker: --bootstrap-servers %s", broker.bootstrap_servers)
         service = Service(config)
@@ -144,6 +160,55 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_topics(args: argparse.Namespace) -> int:
+    from kinference.consumer.topics import create_topics
+
+    config = _config_from_args(args)
+    partitions = {topic: args.partitions for topic in config.request_topics}
+    partitions |= {config.reply_topic: args.reply_partitions, config.dead_letter_topic: args.partitions}
+    created = create_topics(config.bootstrap_servers, partitions, replication_factor=args.replication_factor,
+                            **config.admin_config())
+    for topic, count in partitions.items():
+        print(f"{topic}: {'created' if topic in created else 'exists'}"
+              + (f", {count} partitions" if topic in created else ""))
+    return 0
+
+
+def run_healthcheck(args: argparse.Namespace) -> int:
+    url = args.url or _healthz_url_of(args.pid)
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as response:
+            print(response.read().decode().strip())
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"{url}: {exc.code} {exc.read().decode().strip()}", file=sys.stderr)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"{url}: {exc}", file=sys.stderr)
+    return 1
+
+
+def _healthz_url_of(pid: int) -> str:
+    """The /healthz URL of the ``kinference serve`` running as ``pid``: its flags, environment and config
+    file, merged as ``serve`` merges them."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        argv = [arg.decode() for arg in (proc / "cmdline").read_bytes().split(b"\0") if arg]
+        environ = dict(item.decode().split("=", 1) for item in (proc / "environ").read_bytes().split(b"\0")
+                       if b"=" in item)
+        cwd = (proc / "cwd").resolve()
+    except OSError as exc:
+        raise KinferenceError(f"cannot read process {pid} ({exc}); pass --url") from exc
+    if "serve" not in argv:
+        raise KinferenceError(f"process {pid} is not kinference serve ({' '.join(argv)[:200]}); pass --url "
+                              "or --pid")
+    serve_args = build_parser().parse_args(argv[argv.index("serve"):])
+    config = _config_from_args(serve_args, environ, cwd)
+    if not config.metrics:
+        raise KinferenceError(f"process {pid} serves no /healthz (metrics are off)")
+    host = "127.0.0.1" if config.metrics_host in ("0.0.0.0", "", "::") else config.metrics_host
+    return f"http://{host}:{config.metrics_port}/healthz"
+
+
 def run_broker(args: argparse.Namespace) -> int:
     from kinference.consumer.broker import EmbeddedBroker
 
@@ -153,7 +218,3 @@ def run_broker(args: argparse.Namespace) -> int:
         print(f"broker ready: --bootstrap-servers {broker.bootstrap_servers} (Ctrl-C to stop)", flush=True)
         stop.wait()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

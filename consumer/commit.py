@@ -14,7 +14,8 @@ import time
 from collections import deque
 
 from confluent_kafka import TopicPartition
-from kinference.consumer.protocol import Request
+
+from kinference.consumer.request import Request
 
 PartitionKey = tuple[str, int]
 

@@ -9,14 +9,16 @@ construction, so a bad value fails at start with a message that names the field.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import orjson
 import yaml
-from kinference.consumer.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from kinference.errors import ConfigError
 
 ENV_PREFIX = "KINFERENCE_"
 
@@ -43,6 +45,12 @@ _PRODUCER_DEFAULTS = {
 }
 # Properties whose meaning kinference's commit rule depends on: overriding them would silently lose data.
 _PINNED_CONSUMER = {"enable.auto.commit": "false", "enable.auto.offset.store": "false"}
+# Properties that first-class options set: a pass-through copy would silently win over the option.
+_OWNED_PROPERTIES = {
+    "bootstrap.servers": "bootstrap_servers",
+    "group.id": "group_id",
+    "transactional.id": "transactional_id",
+}
 
 
 class Parallelism(BaseModel):
@@ -61,14 +69,19 @@ def _split_csv(value: Any) -> Any:
     return value
 
 
+_NEXT_PAIR = re.compile(r"[,\n]\s*(?=[A-Za-z0-9_.-]+=)")
+"""Where a string of ``key=value`` items splits: at a comma or newline followed by the next ``key=``, so a
+value may hold commas (``partition.assignment.strategy=range,roundrobin``)."""
+
+
 def _key_values(value: Any) -> Any:
-    """Accept a mapping, a JSON object, or ``key=value`` items (a list from repeated flags or a
-    comma-separated string)."""
+    """Accept a mapping, a JSON object, or ``key=value`` items: a list (one item per repeated flag, never
+    split) or one string (an env var), split where the next ``key=`` starts."""
     if isinstance(value, str):
         stripped = value.strip()
         if stripped.startswith("{"):
             return orjson.loads(stripped)
-        value = [item for item in stripped.split(",") if item.strip()]
+        value = [item for item in _NEXT_PAIR.split(stripped) if item.strip()]
     if isinstance(value, list):
         pairs = {}
         for item in value:
@@ -188,15 +201,38 @@ class ServiceConfig(BaseModel):
     log_format: Literal["text", "json"] = Field(
         "text", description="text, or json: one object per line with topic/partition/offset/correlation_id."
     )
+    metrics: bool = Field(True, description="Serve /metrics, /healthz and /readyz (--no-metrics: off).")
     metrics_host: str = Field("0.0.0.0", description="Bind address of /metrics, /healthz and /readyz.")
     metrics_port: int = Field(
-        9400, ge=-1, le=65535, description="Port of /metrics, /healthz, /readyz (0: any free port; -1: off)."
+        9400, ge=0, le=65535, description="Port of /metrics, /healthz and /readyz (0: any free port)."
     )
 
     _split = field_validator("request_topics", mode="before")(_split_csv)
-    _pairs = field_validator("kafka", "kafka_consumer", "kafka_producer", "handler_options", mode="before")(
-        _key_values
-    )
+    _pairs = field_validator("handler_options", mode="before")(_key_values)
+
+    @field_validator("kafka", "kafka_consumer", "kafka_producer", mode="before")
+    @classmethod
+    def _librdkafka_strings(cls, value: Any) -> Any:
+        """librdkafka takes every property as a string: ``session.timeout.ms: 6000`` and ``true`` from YAML or
+        JSON become ``"6000"`` and ``"true"``."""
+        value = _key_values(value)
+        if not isinstance(value, dict):
+            return value
+        converted = {}
+        for key, item in value.items():
+            if isinstance(item, bool):
+                item = "true" if item else "false"
+            elif isinstance(item, int | float):
+                item = str(item)
+            elif not isinstance(item, str | SecretStr):
+                raise ValueError(f"{key} must be a string, a number or a boolean, not {type(item).__name__}")
+            converted[key] = item
+        return converted
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
 
     @field_validator("handler_options", mode="after")
     @classmethod
@@ -257,6 +293,14 @@ class ServiceConfig(BaseModel):
         for key, value in self.consumer_config().items():
             if key in _PINNED_CONSUMER and value != _PINNED_CONSUMER[key]:
                 raise ValueError(f"{key} must stay {_PINNED_CONSUMER[key]}: kinference commits offsets itself")
+        for option in ("kafka", "kafka_consumer", "kafka_producer"):
+            for key in getattr(self, option):
+                if key in _OWNED_PROPERTIES:
+                    field = _OWNED_PROPERTIES[key]
+                    raise ValueError(
+                        f"the Kafka property {key} is set by --{field.replace('_', '-')} "
+                        f"({ENV_PREFIX}{field.upper()}, {field}: in YAML); remove it from {option}"
+                    )
         return self
 
     @property
@@ -268,6 +312,15 @@ class ServiceConfig(BaseModel):
         for mapping in maps:
             merged.update({key: secret.get_secret_value() for key, secret in mapping.items()})
         return merged
+
+    def topics(self) -> list[str]:
+        """Every topic the service reads or writes by default: request, reply and dead-letter topics."""
+        return [*self.request_topics, self.reply_topic, self.dead_letter_topic]
+
+    def admin_config(self) -> dict[str, str]:
+        """The pass-through properties common to every client (``kafka``: security, SASL), for an admin
+        client."""
+        return self._passthrough(self.kafka)
 
     def consumer_config(self) -> dict[str, str]:
         """The librdkafka consumer dict: kinference's defaults, then the user's pass-through properties."""

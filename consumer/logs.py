@@ -8,7 +8,8 @@ import time
 from typing import Any
 
 import orjson
-from kinference.consumer.protocol import Request
+
+from kinference.consumer.request import Request
 
 _REQUEST_FIELDS = ("topic", "partition", "offset", "correlation_id")
 

@@ -6,7 +6,13 @@ from the current assignment (removed on revoke), outcomes from ``ErrorCode`` plu
 
 from __future__ import annotations
 
+import platform
+from importlib import metadata
+
+import confluent_kafka
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from kinference import __version__
 
 # Seconds, from sub-millisecond echo round trips to multi-second model batches.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -59,3 +65,17 @@ class Metrics:
         self.consumer_lag = Gauge("kinference_consumer_lag", "High watermark minus the consumer's position, "
                                   "per assigned partition.", ["topic", "partition"], registry=r)
         self.model = Info("kinference_model", "The handler being served.", registry=r)
+        self.build = Info("kinference_build", "Versions of kinference and of what it runs on.", registry=r)
+        self.build.info(build_info())
+
+
+def build_info() -> dict[str, str]:
+    """kinference's version and its runtime's: what a dashboard needs to tell deployments apart."""
+    versions = {"version": __version__, "python": platform.python_version(),
+                "librdkafka": confluent_kafka.libversion()[0]}
+    for package in ("confluent-kafka", "torch", "transformers"):
+        try:
+            versions[package.replace("-", "_")] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package.replace("-", "_")] = "none"
+    return versions

@@ -24,10 +24,12 @@ from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
-from kinference.consumer.errors import ErrorCode, RequestError
+
 from kinference.consumer.logs import about
 from kinference.consumer.metrics import Metrics
-from kinference.consumer.protocol import Request, dead_letter_headers, reply_headers, reply_value
+from kinference.consumer.request import Request, dead_letter_headers, reply_headers, reply_value
+from kinference.errors import RequestError
+from kinference.protocol import ErrorCode
 
 log = logging.getLogger(__name__)
 

@@ -17,18 +17,19 @@ from pathlib import Path
 from types import TracebackType
 
 from confluent_kafka import KafkaException
+
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
 from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.endpoints import Endpoints
-from kinference.consumer.errors import ConfigError
 from kinference.consumer.metrics import Metrics
-from kinference.consumer.protocol import Request, RequestDecoder
 from kinference.consumer.publisher import Publisher
+from kinference.consumer.request import Request, RequestDecoder
 from kinference.consumer.source import Source
 from kinference.consumer.stages import Pipeline
 from kinference.consumer.transactions import TransactionalPublisher
+from kinference.errors import ConfigError
 from kinference.handlers import Handler, HandlerContext, load_handler
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class Service:
 
     def start(self) -> Service:
         config = self.config
-        if config.metrics_port >= 0:
+        if config.metrics:
             # Up before the model loads, so probes see "alive, not ready" during a slow start.
             self.endpoints = Endpoints(config.metrics_host, config.metrics_port, self.metrics.registry,
                                        self.health_checks, self.readiness_checks).start()

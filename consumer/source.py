@@ -18,10 +18,11 @@ from typing import Any
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
 from kinference.consumer.commit import OffsetTracker, PartitionKey
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.metrics import Metrics
-from kinference.consumer.protocol import Request, RequestDecoder
+from kinference.consumer.request import Request, RequestDecoder
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from kinference.consumer.errors import ErrorCode, RequestError
+
 from kinference.consumer.logs import about
 from kinference.consumer.metrics import Metrics
-from kinference.consumer.protocol import Request, encode_result
+from kinference.consumer.request import Request
+from kinference.errors import RequestError
 from kinference.handlers.base import Handler
+from kinference.protocol import ErrorCode, encode_result
 
 log = logging.getLogger(__name__)
 

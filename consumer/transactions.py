@@ -22,11 +22,13 @@ from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
+
 from kinference.consumer.commit import OffsetTracker, PartitionKey
-from kinference.consumer.errors import ErrorCode, RequestError
 from kinference.consumer.metrics import Metrics
-from kinference.consumer.protocol import Request
 from kinference.consumer.publisher import dead_letter_record, observe, reply_record
+from kinference.consumer.request import Request
+from kinference.errors import RequestError
+from kinference.protocol import ErrorCode
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from kinference.consumer.errors import HandlerLoadError
+from kinference.errors import HandlerLoadError
 from kinference.handlers.base import Handler, HandlerContext
 
 BUILTIN = {

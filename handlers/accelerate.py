@@ -1,6 +1,6 @@
 """How a text handler runs its batches on the device: shape buckets, AMP, ``torch.compile``, CUDA copies and streams.
 
-Options (``--handler-option key=value``), read once by ``Accelerator.from_options``:
+Options (``--handler-options key=value``), read once by ``Accelerator.from_options``:
 
 - ``amp`` (default ``none``): ``float16`` or ``bfloat16`` runs the forward pass under ``torch.autocast``.
   The CPU gets ``bfloat16`` only.
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from kinference.consumer.errors import HandlerLoadError
+
+from kinference.errors import HandlerLoadError
 from kinference.handlers.options import boolean, one_of
 
 AMP_DTYPES = {"none": None, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -1,5 +1,9 @@
 """The handler contract: the only code a user writes to serve a model with kinference.
 
+A handler module needs nothing from the service: ``from kinference import Handler, HandlerContext,
+InvalidInput`` (this module and ``kinference.errors``, which import only the standard library and
+``kinference.protocol``). ``--handler package.module:Class`` then serves it.
+
 The service calls:
 
 1. ``validate(payload)`` once per request as it arrives, in the Kafka poll thread, before batching: keep
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kinference.consumer.protocol import PayloadFormat
+from kinference.protocol import PayloadFormat
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class HandlerContext:
     model: Path | None = None
     """The local model directory from ``--model``; ``None`` means the handler's default."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Handler-specific settings from ``--handler-option key=value`` / ``handler_options:`` in YAML."""
+    """Handler-specific settings from ``--handler-options key=value`` / ``handler_options:`` in YAML."""
     max_batch_size: int = 32
     """The most items one ``preprocess``/``inference`` call will get (the service's micro-batch size)."""
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from kinference.consumer.errors import HandlerLoadError
+from transformers import AutoModelForSequenceClassification
+
+from kinference.errors import HandlerLoadError
 from kinference.handlers.options import positive_int
 from kinference.handlers.text import TextHandler, TextItem
-from transformers import AutoModelForSequenceClassification
 
 
 class TextClassificationHandler(TextHandler):

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kinference.consumer.errors import HandlerLoadError
+from transformers import AutoModel
+
+from kinference.errors import HandlerLoadError
 from kinference.handlers.options import boolean
 from kinference.handlers.text import TextHandler, TextItem
-from transformers import AutoModel
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 

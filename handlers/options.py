@@ -1,11 +1,11 @@
-"""Readers of handler options (``--handler-option key=value``): each fails setup with the value it got."""
+"""Readers of handler options (``--handler-options key=value``): each fails setup with the value it got."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from typing import Any
 
-from kinference.consumer.errors import HandlerLoadError
+from kinference.errors import HandlerLoadError
 
 
 def positive_int(handler: str, key: str, value: Any) -> int:

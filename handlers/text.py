@@ -19,11 +19,12 @@ from typing import Any, ClassVar
 import numpy as np
 import tokenizers
 import torch
-from kinference.consumer.errors import HandlerLoadError, InvalidInput
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from kinference.errors import HandlerLoadError, InvalidInput
 from kinference.handlers.accelerate import Accelerator
 from kinference.handlers.base import Handler, HandlerContext
 from kinference.handlers.options import one_of, positive_int
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -90,7 +91,7 @@ def encoder(tokenizer: PreTrainedTokenizerBase, max_length: int) -> tokenizers.T
 class TextHandler(Handler):
     """Base of the handlers that run a transformers model on ``{"text": str}`` requests.
 
-    Options (``--handler-option key=value``): ``max_length`` (tokens kept per text, default 256),
+    Options (``--handler-options key=value``): ``max_length`` (tokens kept per text, default 256),
     ``max_chars`` (longer requests are rejected, default 20000), ``dtype`` (float32, float16 or bfloat16),
     and, described in handlers/accelerate.py, ``amp`` (none, float16 or bfloat16; default none), ``compile``
     (default false), ``compile_backend`` (default inductor) and ``shape_buckets`` (default: as ``compile``);

@@ -27,7 +27,8 @@ from types import TracebackType
 
 import orjson
 from confluent_kafka import Consumer, Message, Producer
-from kinference.consumer.protocol import BATCH_SIZE, CORRELATION_ID, REPLY_TO, SPRING_REPLY_PARTITION
+
+from kinference.protocol import BATCH_SIZE, CORRELATION_ID, REPLY_TO, SPRING_REPLY_PARTITION
 
 # Tansu answers a fetch only after fetch.wait.max.ms and holds a group join for session.timeout.ms / 2:
 # kinference's own values, so that the broker's quirks cost every contender the same.

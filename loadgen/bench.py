@@ -47,10 +47,16 @@ from typing import Any, Literal
 
 import numpy as np
 import orjson
-from kinference.consumer.broker import EmbeddedBroker, create_topics
+from pydantic import ValidationError
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from kinference.consumer.broker import EmbeddedBroker
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.errors import KinferenceError
 from kinference.consumer.service import Service, resolve_device
+from kinference.consumer.topics import create_topics
+from kinference.errors import KinferenceError
 from kinference.handlers import Handler, HandlerContext, load_handler
 from kinference.loadgen.baselines import TRANSPORT_CONSUMER, LoopThread, MiniLM, PerMessageLoop, Relay, StaticBatchLoop
 from kinference.loadgen.cli import concurrency_list
@@ -61,10 +67,6 @@ from kinference.loadgen.live import ProgressView
 from kinference.loadgen.plot import plot_sweep
 from kinference.loadgen.report import percentiles
 from kinference.loadgen.runner import LoadPlan, RunResult, run_sweep
-from pydantic import ValidationError
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +149,7 @@ def _kinference(overrides: dict[str, Any], handler: str = "embedding") -> Callab
             bootstrap_servers=bootstrap_servers, request_topics=[topics["requests"]],
             reply_topic=topics["replies"], dead_letter_topic=topics["dead"],
             group_id=f"bench-{topics['requests']}", handler=handler, kafka_consumer=_SERVE_KAFKA,
-            metrics_port=-1, shutdown_grace_s=5.0, **overrides)
+            metrics=False, shutdown_grace_s=5.0, **overrides)
         with Service(config) as service:
             _ready(service.wait_ready(_READY_TIMEOUT_S), config.group_id)
             yield service

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from rich.console import Console
+
 from kinference.loadgen.client import Client
 from kinference.loadgen.corpus import PROFILES, builtin_corpus, read_jsonl
 from kinference.loadgen.errors import ClientError
@@ -21,7 +23,6 @@ from kinference.loadgen.live import ProgressView
 from kinference.loadgen.plot import plot_run, plot_sweep
 from kinference.loadgen.runner import LoadPlan, run_load, run_sweep
 from kinference.loadgen.tables import run_table, sweep_table
-from rich.console import Console
 
 
 def build_parser() -> argparse.ArgumentParser:

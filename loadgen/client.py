@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import struct
 import threading
 import time
 import uuid
@@ -28,10 +27,18 @@ from typing import Any
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from kinference.consumer.protocol import CORRELATION_ID, DEADLINE_MS, REPLY_TO, SPRING_REPLY_PARTITION
+
 from kinference.loadgen.errors import ClientClosed, ClientError, DeliveryFailed, RequestTimeout, TooManyPending
 from kinference.loadgen.pending import ClientStats, Pending, PendingTable, settle
 from kinference.loadgen.reply import Reply
+from kinference.protocol import (
+    CORRELATION_ID,
+    DEADLINE_MS,
+    REPLY_TO,
+    SPRING_REPLY_PARTITION,
+    encode_deadline,
+    encode_partition,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +119,7 @@ class Client:
             raise
         self._producer = Producer({**_PRODUCER_DEFAULTS, **common})
         self._routing = [(REPLY_TO, self.reply_topic.encode()),
-                         (SPRING_REPLY_PARTITION, struct.pack(">i", self.reply_partition))]
+                         (SPRING_REPLY_PARTITION, encode_partition(self.reply_partition))]
         self._reader = threading.Thread(target=self._read_replies, name="kinference-client-reader", daemon=True)
         self._reader.start()
         log.info("client ready: requests to %s, replies from %s[%d]", self.request_topic, self.reply_topic,
@@ -204,7 +211,7 @@ class Client:
         record_headers = [(CORRELATION_ID, correlation_id.encode()), *self._routing, *headers]
         if self.propagate_deadline:
             epoch_ms = int((time.time() + deadline - time.monotonic()) * 1000)
-            record_headers.append((DEADLINE_MS, str(epoch_ms).encode()))
+            record_headers.append((DEADLINE_MS, encode_deadline(epoch_ms)))
         entry = self._pending.add(correlation_id, deadline, block)
         try:
             self._producer.produce(self.request_topic, payload, key, headers=record_headers,

@@ -8,15 +8,17 @@ import logging
 import time
 from pathlib import Path
 
-from kinference.consumer.broker import EmbeddedBroker, create_topics
+from rich.console import Console
+
+from kinference.consumer.broker import EmbeddedBroker
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.errors import KinferenceError
 from kinference.consumer.service import Service
+from kinference.consumer.topics import create_topics
+from kinference.errors import KinferenceError
 from kinference.loadgen.cli import concurrency_list, execute
 from kinference.loadgen.client import Client
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
 from kinference.loadgen.runner import LoadPlan
-from rich.console import Console
 
 _TOPICS = {"kinference-requests": 4, "kinference-replies": 4, "kinference-dead-letters": 1}
 # Tansu holds a group join for about session.timeout.ms / 2: a short session keeps start-up quick.
@@ -75,7 +77,7 @@ def _run(args: argparse.Namespace, output_dir: Path, console: Console, began: fl
             reply_topic="kinference-replies", dead_letter_topic="kinference-dead-letters", group_id="kinference-demo",
             handler=args.handler, model=args.model, max_batch_size=args.max_batch_size, kafka=_DEMO_KAFKA,
             # Loopback and any free port: the demo must not clash with a service already on 9400.
-            metrics_host="127.0.0.1", metrics_port=0,
+            metrics_host="127.0.0.1", metrics=True, metrics_port=0,
         )
         step(f"loading the {args.handler} handler and starting the service")
         with Service(config) as service:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kinference.consumer.errors import KinferenceError
+from kinference.errors import KinferenceError
 
 if TYPE_CHECKING:
     from kinference.loadgen.reply import Reply

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kinference.loadgen.report import Sample, percentiles
 from matplotlib.figure import Figure
+
+from kinference.loadgen.report import Sample, percentiles
 
 
 def plot_run(samples: Sequence[Sample], path: Path, title: str = "kinference loadgen") -> Path:

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from kinference.consumer.protocol import (
+
+from kinference.loadgen.errors import ReplyError
+from kinference.protocol import (
     BATCH_SIZE,
     CORRELATION_ID,
     ERROR_CODE,
@@ -15,8 +17,8 @@ from kinference.consumer.protocol import (
     QUEUE_MS,
     SERVICE_MS,
     STATUS,
+    decode_error,
 )
-from kinference.loadgen.errors import ReplyError
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +108,4 @@ class Reply:
             return None
 
     def _error_body(self) -> dict[str, Any]:
-        try:
-            body = self.json()
-        except orjson.JSONDecodeError:
-            return {}
-        error = body.get("error") if isinstance(body, dict) else None
-        return error if isinstance(error, dict) else {}
+        return decode_error(self.value)

@@ -7,12 +7,20 @@ engine) the same tests run against Apache Kafka started by testcontainers.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
-from kinference.consumer.broker import EmbeddedBroker, create_topics
+import yaml
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
+
+from kinference.consumer.broker import EmbeddedBroker, free_port
+from kinference.consumer.topics import create_topics
 
 # Settings that keep tests fast on any broker: Tansu holds a group join for ~session.timeout.ms / 2.
 TEST_CONSUMER_PROPERTIES = {
@@ -37,15 +45,54 @@ class TestBroker:
 def broker() -> Iterator[TestBroker]:
     kind = os.environ.get("KINFERENCE_TEST_BROKER", "tansu")
     if kind == "kafka":
-        from testcontainers.kafka import KafkaContainer
-
-        with KafkaContainer().with_kraft() as kafka:
-            yield TestBroker(kafka.get_bootstrap_server(), "kafka")
+        with apache_kafka() as bootstrap_servers:
+            yield TestBroker(bootstrap_servers, "kafka")
     elif kind == "tansu":
         with EmbeddedBroker() as tansu:
             yield TestBroker(tansu.bootstrap_servers, "tansu")
     else:
         raise pytest.UsageError(f"KINFERENCE_TEST_BROKER must be 'tansu' or 'kafka', not {kind!r}")
+
+
+@contextmanager
+def apache_kafka(start_timeout_s: float = 120.0) -> Iterator[str]:
+    """One Apache Kafka broker in KRaft mode, the image that deploy/docker-compose.yml runs, on a free host port.
+
+    The port is bound before the start so that the broker can advertise it (clients connect to what the
+    broker advertises). Needs a Docker engine."""
+    from testcontainers.core.container import DockerContainer
+
+    compose = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "docker-compose.yml").read_text())
+    port = free_port()
+    container = DockerContainer(compose["services"]["kafka"]["image"]).with_bind_ports(9092, port)
+    host = container.get_container_host_ip()
+    settings = {
+        "KAFKA_NODE_ID": "1",
+        "KAFKA_PROCESS_ROLES": "broker,controller",
+        "KAFKA_CONTROLLER_QUORUM_VOTERS": "1@localhost:9093",
+        "KAFKA_LISTENERS": "PLAINTEXT://:9092,CONTROLLER://:9093",
+        "KAFKA_ADVERTISED_LISTENERS": f"PLAINTEXT://{host}:{port}",
+        "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "KAFKA_CONTROLLER_LISTENER_NAMES": "CONTROLLER",
+        "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR": "1",
+        "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR": "1",
+        "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR": "1",
+        "KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS": "0",
+    }
+    for key, value in settings.items():
+        container.with_env(key, value)
+    with container:
+        bootstrap_servers = f"{host}:{port}"
+        admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                admin.list_topics(timeout=2)
+                break
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+        yield bootstrap_servers
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from kinference.consumer.protocol import Request
+from kinference.consumer.request import Request
 
 _offsets = itertools.count()
 

@@ -37,11 +37,11 @@ from typing import Any
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, TopicPartition
-from kinference.consumer import protocol
+
+from kinference import protocol
 from kinference.loadgen.client import Client
 from kinference.loadgen.errors import RequestTimeout
 from kinference.loadgen.reply import Reply
-
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, headers_of
 
@@ -101,7 +101,7 @@ class Settings:
             "--group-id", self.group_id,
             "--handler", HANDLER,
             "--device", "cpu",
-            "--metrics-port", "-1",
+            "--no-metrics",
             "--log-format", "json",
             "--max-in-flight", str(self.max_in_flight),
             "--max-poll-records", str(self.max_poll_records),
@@ -117,7 +117,7 @@ class Member:
 
     def __init__(self, name: str, args: list[str]) -> None:
         self.name = name
-        self.process = subprocess.Popen([sys.executable, "-m", "kinference.consumer.cli", "serve", *args], cwd=REPO,
+        self.process = subprocess.Popen([sys.executable, "-m", "kinference", "serve", *args], cwd=REPO,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.pid = self.process.pid
         self.started_ms = now_ms()

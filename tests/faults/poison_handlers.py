@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from kinference.consumer.errors import InvalidInput
+from kinference.errors import InvalidInput
 from kinference.handlers.base import Handler, HandlerContext
 
 

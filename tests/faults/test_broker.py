@@ -14,11 +14,12 @@ from collections import Counter
 
 import orjson
 import pytest
-from kinference.consumer import protocol
-from kinference.consumer.broker import EmbeddedBroker, create_topics, free_port
+
+from kinference import protocol
+from kinference.consumer.broker import EmbeddedBroker, free_port
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.service import Service
-
+from kinference.consumer.topics import create_topics
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, headers_of, produce, read
 
@@ -30,7 +31,7 @@ TOPICS = {"requests": 3, "replies": 1, "dead": 1}
 def config_for(bootstrap: str, group: str, **overrides) -> ServiceConfig:
     return ServiceConfig(bootstrap_servers=bootstrap, request_topics=["requests"], reply_topic="replies",
                          dead_letter_topic="dead", group_id=group, handler="echo", kafka=TEST_CONSUMER_PROPERTIES,
-                         commit_interval_ms=200, metrics_host="127.0.0.1", metrics_port=0, **overrides)
+                         commit_interval_ms=200, metrics_host="127.0.0.1", metrics=True, metrics_port=0, **overrides)
 
 
 def readyz(service: Service) -> tuple[int, dict]:

@@ -12,8 +12,8 @@ from collections import Counter
 
 import orjson
 import pytest
-from kinference.consumer import protocol
 
+from kinference import protocol
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, headers_of, produce, read
 from tests.integration.test_cli import ServeProcess
@@ -33,7 +33,7 @@ def test_sigkill_in_exactly_once_mode_leaves_no_duplicate_committed_reply(broker
     args = ["--bootstrap-servers", broker.bootstrap_servers, "--request-topics", topics["requests"],
             "--reply-topic", topics["replies"], "--dead-letter-topic", topics["dead"], "--group-id", group,
             "--handler", "echo", "--delivery", "exactly-once", "--commit-interval-ms", "200",
-            "--metrics-port", "-1",
+            "--no-metrics",
             *[arg for key, value in TEST_CONSUMER_PROPERTIES.items() for arg in ("--kafka", f"{key}={value}")]]
     ends: Counter = Counter()
 

@@ -23,10 +23,11 @@ from collections import Counter
 
 import orjson
 import pytest
-from kinference.consumer import protocol
-from kinference.consumer.errors import ErrorCode
-from kinference.consumer.service import Service
 
+from kinference import protocol
+from kinference.consumer import request as requests
+from kinference.consumer.service import Service
+from kinference.protocol import ErrorCode
 from tests.fakes import FakeRecord
 from tests.integration.kafka_io import headers_of, produce, read, service_config
 
@@ -143,7 +144,7 @@ class Generator:
         return rng.randbytes(rng.randint(0, 20))
 
 
-def expected_outcome(decoder: protocol.RequestDecoder, record: tuple, sent_ms: float) -> tuple[str, bool]:
+def expected_outcome(decoder: requests.RequestDecoder, record: tuple, sent_ms: float) -> tuple[str, bool]:
     """(code or "ok", dead letter?) that the protocol promises for this record."""
     key, value, headers = record
     request = decoder.decode(FakeRecord(value, headers=headers or None, key=key))
@@ -174,10 +175,10 @@ def test_fuzzed_records_each_get_one_reply_with_the_promised_outcome(broker):
     topics = broker.topics(requests=2, replies=1, dead=1)
     generator = Generator(SEED, topics["replies"])
     records = [generator.record(i) for i in range(COUNT)]
-    config = service_config(broker.bootstrap_servers, topics, metrics_port=-1, max_request_bytes=MAX_REQUEST_BYTES,
+    config = service_config(broker.bootstrap_servers, topics, metrics=False, max_request_bytes=MAX_REQUEST_BYTES,
                             max_header_bytes=MAX_HEADER_BYTES, max_batch_size=64, micro_batch_size=16,
                             shutdown_grace_s=5.0, rebalance_drain_ms=500)
-    decoder = protocol.RequestDecoder(topics["replies"], MAX_REQUEST_BYTES, "json", MAX_HEADER_BYTES)
+    decoder = requests.RequestDecoder(topics["replies"], MAX_REQUEST_BYTES, "json", MAX_HEADER_BYTES)
     started = time.monotonic()
     with Service(config) as service:
         assert service.wait_ready(30)

@@ -40,7 +40,7 @@ def test_three_times_capacity_for_a_minute(broker, unique_id):
     serve = ServeProcess([
         "--bootstrap-servers", broker.bootstrap_servers, "--request-topics", topics["requests"],
         "--reply-topic", topics["replies"], "--dead-letter-topic", topics["dead"], "--group-id", group,
-        "--handler", "tests.integration.slow_handler:SlowEcho", "--max-batch-size", "4", "--metrics-port", "-1",
+        "--handler", "tests.integration.slow_handler:SlowEcho", "--max-batch-size", "4", "--no-metrics",
         *[arg for key, value in TEST_CONSUMER_PROPERTIES.items() for arg in ("--kafka", f"{key}={value}")],
     ])
     ends: Counter = Counter()

@@ -22,10 +22,10 @@ import orjson
 import pytest
 from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient
-from kinference.consumer import protocol
-from kinference.consumer.errors import ErrorCode
-from kinference.consumer.service import Service
 
+from kinference import protocol
+from kinference.consumer.service import Service
+from kinference.protocol import ErrorCode
 from tests.faults.harness import Group
 from tests.faults.poison_handlers import Poison
 from tests.integration.kafka_io import headers_of, produce, read, service_config
@@ -137,7 +137,7 @@ def batched_cases() -> list[Case]:
 
 @contextmanager
 def serving(broker, topics: dict[str, str], handler, **overrides) -> Iterator[Service]:
-    config = service_config(broker.bootstrap_servers, topics, metrics_port=-1, **{**FAST_STOP, **overrides})
+    config = service_config(broker.bootstrap_servers, topics, metrics=False, **{**FAST_STOP, **overrides})
     with Service(config, handler=handler) as service:
         assert service.wait_ready(READY_S)
         yield service

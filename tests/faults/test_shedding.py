@@ -18,9 +18,9 @@ from contextlib import contextmanager
 import orjson
 import pytest
 from confluent_kafka import Message, Producer
-from kinference.consumer import protocol
-from kinference.consumer.service import Service
 
+from kinference import protocol
+from kinference.consumer.service import Service
 from tests.faults.poison_handlers import SlowEcho
 from tests.integration.kafka_io import headers_of, produce, read, service_config
 
@@ -31,7 +31,7 @@ READY_S = 30
 
 @contextmanager
 def serving(broker, topics: dict[str, str], handler: SlowEcho, **overrides) -> Iterator[Service]:
-    config = service_config(broker.bootstrap_servers, topics, metrics_port=-1, shutdown_grace_s=5.0,
+    config = service_config(broker.bootstrap_servers, topics, metrics=False, shutdown_grace_s=5.0,
                             rebalance_drain_ms=500, **overrides)
     with Service(config, handler=handler) as service:
         assert service.wait_ready(READY_S)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
-from kinference.consumer.config import ServiceConfig
 
+from kinference.consumer.config import ServiceConfig
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 
 
@@ -24,7 +24,7 @@ def service_config(bootstrap: str, topics: dict[str, str], **overrides: Any) -> 
         "handler": "echo",
         "kafka": TEST_CONSUMER_PROPERTIES,
         "commit_interval_ms": 200,
-        "metrics_port": -1,  # tests that scrape pass metrics_port=0 (any free port)
+        "metrics": False,  # tests that scrape pass metrics=True, metrics_port=0 (any free port)
         **overrides,
     }
     return ServiceConfig(**values)

@@ -2,7 +2,7 @@
 
 import time
 
-from kinference.consumer.errors import InvalidInput
+from kinference.errors import InvalidInput
 from kinference.handlers.echo import EchoHandler
 
 

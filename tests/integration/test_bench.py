@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import orjson
 import pytest
+
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.errors import KinferenceError
+from kinference.errors import KinferenceError
 from kinference.loadgen import bench
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.model]

@@ -11,7 +11,9 @@ import threading
 
 import orjson
 import pytest
+from confluent_kafka.admin import AdminClient
 
+from kinference.consumer.broker import free_port
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, produce, read
 
@@ -22,7 +24,7 @@ class ServeProcess:
     """``kinference serve`` in a child process whose stderr is collected line by line."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "kinference.consumer.cli", "serve", *args],
+        self.process = subprocess.Popen([sys.executable, "-m", "kinference", "serve", *args],
                                         env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.assigned = threading.Event()
@@ -52,8 +54,9 @@ def test_serve_process_answers_and_exits_zero_on_sigterm(broker, unique_id, tmp_
     topics = broker.topics(requests=2, replies=1, dead=1)
     group = f"cli-{unique_id}"
     config_file = tmp_path / "kinference.yaml"
+    # Kafka properties as YAML numbers, as users write them: they reach librdkafka as strings.
     config_file.write_text(f"reply_topic: {topics['replies']}\nmax_batch_size: 8\nkafka:\n"
-                           + "".join(f"  {k}: '{v}'\n" for k, v in TEST_CONSUMER_PROPERTIES.items()))
+                           + "".join(f"  {k}: {v}\n" for k, v in TEST_CONSUMER_PROPERTIES.items()))
     env = {"KINFERENCE_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "KINFERENCE_DEAD_LETTER_TOPIC": topics["dead"],
            "KINFERENCE_HANDLER": "echo"}
     serve = ServeProcess(["--config", str(config_file), "--request-topics", topics["requests"], "--group-id", group],
@@ -73,7 +76,7 @@ def test_serve_process_answers_and_exits_zero_on_sigterm(broker, unique_id, tmp_
 
 def test_serve_rejects_bad_configuration_with_exit_code_2():
     result = subprocess.run(
-        [sys.executable, "-m", "kinference.consumer.cli", "serve", "--max-batch-size", "0",
+        [sys.executable, "-m", "kinference", "serve", "--max-batch-size", "0",
          "--micro-batch-size", "many"],
         capture_output=True, text=True, timeout=60,
     )
@@ -96,9 +99,55 @@ def test_serve_with_embedded_broker_on_defaults():
 
 def test_serve_rejects_an_unknown_librdkafka_property_with_exit_code_2():
     result = subprocess.run(
-        [sys.executable, "-m", "kinference.consumer.cli", "serve", "--handler", "echo", "--metrics-port", "-1",
+        [sys.executable, "-m", "kinference", "serve", "--handler", "echo", "--no-metrics",
          "--kafka", "no.such.property=1"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2, result.stderr
     assert "Kafka client configuration was rejected" in result.stderr and "no.such.property" in result.stderr
+
+
+def kinference(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kinference", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_topics_create_makes_the_topics_serve_uses(broker, unique_id):
+    names = {"requests": f"in-a-{unique_id},in-b-{unique_id}", "replies": f"out-{unique_id}",
+             "dead": f"dead-{unique_id}"}
+    # The same settings serve reads: flags, KINFERENCE_* env vars, and the Kafka properties for the admin client.
+    env = {"KINFERENCE_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "KINFERENCE_DEAD_LETTER_TOPIC": names["dead"]}
+    args = ["topics", "create", "--request-topics", names["requests"], "--reply-topic", names["replies"],
+            "--partitions", "3", "--reply-partitions", "2", "--replication-factor", "1", "--kafka", "client.id=topics"]
+    first = kinference(*args, env=env)
+    assert first.returncode == 0, first.stderr
+    assert f"out-{unique_id}: created, 2 partitions" in first.stdout
+    metadata = AdminClient({"bootstrap.servers": broker.bootstrap_servers}).list_topics(timeout=10).topics
+    expected = {f"in-a-{unique_id}": 3, f"in-b-{unique_id}": 3, f"out-{unique_id}": 2, f"dead-{unique_id}": 3}
+    assert {name: len(metadata[name].partitions) for name in expected} == expected
+    again = kinference(*args, env=env)
+    assert again.returncode == 0 and again.stdout.count(": exists") == 4, again.stdout + again.stderr
+    refused = kinference(*args, "--kafka", "group.id=x", env=env)
+    assert refused.returncode == 2 and "group.id is set by --group-id" in refused.stderr
+
+
+def test_healthcheck_follows_the_port_the_service_was_given(broker, unique_id):
+    topics = broker.topics(requests=1, replies=1, dead=1)
+    port = free_port()
+    # The port comes from a flag, the host from the environment: the probe must read both from the process.
+    serve = ServeProcess(["--handler", "echo", "--request-topics", topics["requests"], "--reply-topic",
+                          topics["replies"], "--dead-letter-topic", topics["dead"], "--group-id", f"hc-{unique_id}",
+                          "--bootstrap-servers", broker.bootstrap_servers, "--metrics-port", str(port)],
+                         {"KINFERENCE_METRICS_HOST": "127.0.0.1"})
+    try:
+        assert serve.assigned.wait(60), serve.log
+        healthy = kinference("healthcheck", "--pid", str(serve.process.pid))
+        assert healthy.returncode == 0, healthy.stderr
+        assert orjson.loads(healthy.stdout)["ok"] is True
+        assert serve.terminate_and_wait() == 0, serve.log
+    finally:
+        serve.kill()
+    gone = kinference("healthcheck", "--url", f"http://127.0.0.1:{port}/healthz", "--timeout", "2")
+    assert gone.returncode == 1
+    not_serve = kinference("healthcheck", "--pid", str(os.getpid()))
+    assert not_serve.returncode == 2 and "is not kinference serve" in not_serve.stderr

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
+
 from kinference.consumer.service import Service
 from kinference.handlers.echo import EchoHandler
 from kinference.loadgen import Client, ClientError, ReplyError, RequestTimeout
-
 from tests.integration.kafka_io import service_config
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,8 @@ class NapEcho(EchoHandler):
 def served(broker):
     """One echo service for the module; ``orphan`` is a request topic nobody serves."""
     topics = broker.topics(requests=3, replies=2, dead=1, orphan=1)
-    with Service(service_config(broker.bootstrap_servers, topics, metrics_port=0), handler=NapEcho()) as service:
+    config = service_config(broker.bootstrap_servers, topics, metrics=True, metrics_port=0)
+    with Service(config, handler=NapEcho()) as service:
         assert service.wait_ready(30)
         yield broker.bootstrap_servers, topics
 

@@ -7,9 +7,9 @@ from collections import Counter
 
 import orjson
 import pytest
-from kinference.consumer import protocol
-from kinference.consumer.service import Service
 
+from kinference import protocol
+from kinference.consumer.service import Service
 from tests.integration.kafka_io import committed, headers_of, produce, read, service_config
 
 pytestmark = pytest.mark.integration

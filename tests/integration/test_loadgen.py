@@ -6,9 +6,9 @@ import threading
 
 import orjson
 import pytest
+
 from kinference.consumer.service import Service
 from kinference.loadgen import cli, demo
-
 from tests.integration.kafka_io import service_config
 
 pytestmark = pytest.mark.integration
@@ -21,7 +21,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def target(broker):
     topics = broker.topics(requests=3, replies=2, dead=1)
-    with Service(service_config(broker.bootstrap_servers, topics, max_batch_size=16, metrics_port=0)) as service:
+    config = service_config(broker.bootstrap_servers, topics, max_batch_size=16, metrics=True, metrics_port=0)
+    with Service(config) as service:
         assert service.wait_ready(30)
         yield ["--bootstrap-servers", broker.bootstrap_servers, "--request-topic", topics["requests"],
                "--reply-topic", topics["replies"], "--no-progress"]

@@ -8,9 +8,9 @@ import urllib.request
 
 import orjson
 import pytest
-from kinference.consumer.service import Service
 from prometheus_client.parser import text_string_to_metric_families
 
+from kinference.consumer.service import Service
 from tests.integration.kafka_io import produce, read, service_config
 
 pytestmark = pytest.mark.integration
@@ -50,7 +50,7 @@ def wait_for(predicate, timeout_s: float = 15.0) -> bool:
 def test_metrics_count_what_was_sent_and_readiness_follows_assignment(broker):
     topics = broker.topics(requests=3, replies=1, dead=1)
     topic = topics["requests"]
-    config = service_config(broker.bootstrap_servers, topics, metrics_host="127.0.0.1", metrics_port=0,
+    config = service_config(broker.bootstrap_servers, topics, metrics_host="127.0.0.1", metrics=True, metrics_port=0,
                             max_batch_size=8)
     valid, malformed = 250, 50
     with Service(config) as service:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 import torch
-from kinference.consumer import protocol
-from kinference.consumer.service import Service
 
+from kinference import protocol
+from kinference.consumer.service import Service
 from tests.integration.kafka_io import headers_of, produce, read, service_config
 from tests.models import TINY_LABELS, build_tiny_classifier, reference_embeddings, varied_texts
 

@@ -26,8 +26,8 @@ from typing import Any
 import orjson
 import pytest
 import yaml
-from kinference.consumer.service import Service
 
+from kinference.consumer.service import Service
 from tests.integration.kafka_io import produce, read, service_config
 from tests.models import build_tiny_classifier
 
@@ -229,10 +229,10 @@ def test_dashboard_and_autoscaler_queries_return_data(broker, tmp_path):
     echo_topics = broker.topics(requests=3, replies=1, dead=1)
     text_topics = broker.topics(requests=2, replies=1, dead=1)
     model_dir = build_tiny_classifier(tmp_path / "tiny")
-    echo_config = service_config(broker.bootstrap_servers, echo_topics, metrics_host="127.0.0.1", metrics_port=0,
-                                 max_batch_size=16)
-    text_config = service_config(broker.bootstrap_servers, text_topics, metrics_host="127.0.0.1", metrics_port=0,
-                                 handler="text-classification", model=model_dir, max_batch_size=8)
+    echo_config = service_config(broker.bootstrap_servers, echo_topics, metrics_host="127.0.0.1", metrics=True,
+                                 metrics_port=0, max_batch_size=16)
+    text_config = service_config(broker.bootstrap_servers, text_topics, metrics_host="127.0.0.1", metrics=True,
+                                 metrics_port=0, handler="text-classification", model=model_dir, max_batch_size=8)
     with Service(echo_config) as echo, Service(text_config) as text:
         assert echo.wait_ready(30) and text.wait_ready(30)
         targets = [f"127.0.0.1:{echo.endpoints.port}", f"127.0.0.1:{text.endpoints.port}"]

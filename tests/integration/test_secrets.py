@@ -9,8 +9,9 @@ import sys
 import time
 
 import pytest
+
 from kinference.consumer.config import load_config
-from kinference.consumer.errors import ConfigError
+from kinference.errors import ConfigError
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ def test_a_failing_sasl_login_does_not_log_the_password(broker):
     # Tansu has no SASL: the handshake fails, and the service keeps retrying and logging errors.
     env = {**os.environ, "KINFERENCE_KAFKA": f'{{"sasl.password": "{SECRET}"}}'}
     process = subprocess.Popen(
-        [sys.executable, "-m", "kinference.consumer.cli", "serve", "--handler", "echo", "--metrics-port", "-1",
+        [sys.executable, "-m", "kinference", "serve", "--handler", "echo", "--no-metrics",
          "--bootstrap-servers", broker.bootstrap_servers, "--log-level", "DEBUG", "--log-format", "json",
          "--kafka", "security.protocol=SASL_PLAINTEXT", "--kafka", "sasl.mechanism=PLAIN",
          "--kafka", "sasl.username=kinference"],

@@ -2,8 +2,8 @@ import threading
 import time
 
 import pytest
-from kinference.consumer.batcher import Batcher
 
+from kinference.consumer.batcher import Batcher
 from tests.fakes import make_request
 
 

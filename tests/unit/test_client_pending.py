@@ -7,6 +7,7 @@ import time
 from concurrent.futures import Future
 
 import pytest
+
 from kinference.loadgen.errors import ClientClosed, TooManyPending
 from kinference.loadgen.pending import PendingTable, settle
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from kinference.consumer import protocol
+
+from kinference import protocol
 from kinference.loadgen.errors import ReplyError
 from kinference.loadgen.reply import Reply
-
 from tests.fakes import FakeRecord
 
 

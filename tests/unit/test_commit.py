@@ -2,7 +2,6 @@ import random
 import threading
 
 from kinference.consumer.commit import OffsetTracker
-
 from tests.fakes import make_request
 
 P0 = ("requests", 0)

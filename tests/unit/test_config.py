@@ -1,7 +1,8 @@
 import pytest
+
 from kinference.consumer.cli import build_parser
 from kinference.consumer.config import ServiceConfig, load_config
-from kinference.consumer.errors import ConfigError
+from kinference.errors import ConfigError
 
 
 def test_defaults_are_valid_and_low_latency():
@@ -103,3 +104,54 @@ def test_key_value_options_merge_across_layers(tmp_path):
     assert {k: v for k, v in config.consumer_config().items() if k.startswith(("sasl", "security"))} == {
         "security.protocol": "SASL_SSL", "sasl.username": "from-env", "sasl.password": "from-secret",
         "sasl.mechanism": "PLAIN"}
+
+
+def test_kafka_property_numbers_and_booleans_become_librdkafka_strings(tmp_path):
+    yaml_file = tmp_path / "kinference.yaml"
+    yaml_file.write_text("kafka:\n  session.timeout.ms: 6000\n  enable.ssl.certificate.verification: false\n"
+                         "kafka_producer:\n  linger.ms: 0.5\n")
+    env = {"KINFERENCE_KAFKA_CONSUMER": '{"fetch.min.bytes": 1, "check.crcs": true}'}
+    config = load_config(config_file=yaml_file, environ=env)
+    consumer, producer = config.consumer_config(), config.producer_config()
+    assert consumer["session.timeout.ms"] == "6000" and consumer["enable.ssl.certificate.verification"] == "false"
+    assert consumer["fetch.min.bytes"] == "1" and consumer["check.crcs"] == "true"
+    assert producer["linger.ms"] == "0.5"
+    with pytest.raises(ConfigError, match="must be a string, a number or a boolean"):
+        load_config({"kafka": {"sasl.mechanism": ["PLAIN"]}}, environ={})
+
+
+def test_log_level_is_case_insensitive():
+    assert load_config(environ={"KINFERENCE_LOG_LEVEL": "info"}).log_level == "INFO"
+    assert load_config({"log_level": "Debug"}, environ={}).log_level == "DEBUG"
+
+
+def test_metrics_turn_off_with_a_switch():
+    args = build_parser().parse_args(["serve", "--no-metrics"])
+    assert load_config({name: getattr(args, name) for name in ServiceConfig.model_fields}, environ={}).metrics is False
+    assert load_config(environ={"KINFERENCE_METRICS": "false"}).metrics is False
+    assert ServiceConfig().metrics is True
+    with pytest.raises(ConfigError, match="metrics_port"):
+        load_config({"metrics_port": -1}, environ={})
+
+
+@pytest.mark.parametrize(("option", "prop", "names"), [
+    ("kafka", "group.id", "--group-id"),
+    ("kafka_consumer", "bootstrap.servers", "--bootstrap-servers"),
+    ("kafka_producer", "transactional.id", "KINFERENCE_TRANSACTIONAL_ID"),
+])
+def test_pass_through_properties_cannot_override_first_class_options(option, prop, names):
+    with pytest.raises(ConfigError, match=f"{prop} is set by") as info:
+        load_config({option: [f"{prop}=sneaky"]}, environ={})
+    assert names in str(info.value) and f"remove it from {option}" in str(info.value)
+
+
+def test_env_map_values_may_hold_commas():
+    env = {"KINFERENCE_KAFKA_CONSUMER": "partition.assignment.strategy=range,roundrobin,client.id=a,b",
+           "KINFERENCE_KAFKA": "security.protocol=SASL_SSL\nsasl.mechanism=PLAIN"}
+    config = load_config(environ=env)
+    consumer = config.consumer_config()
+    assert consumer["partition.assignment.strategy"] == "range,roundrobin" and consumer["client.id"] == "a,b"
+    assert consumer["security.protocol"] == "SASL_SSL" and consumer["sasl.mechanism"] == "PLAIN"
+    # A repeated flag is one pair each: never split.
+    flags = load_config({"kafka_consumer": ["partition.assignment.strategy=range,x=y"]}, environ={})
+    assert flags.consumer_config()["partition.assignment.strategy"] == "range,x=y"

@@ -1,6 +1,7 @@
 import math
 
 import pytest
+
 from kinference.consumer.cost import ArrivalRate, BatchCost
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from kinference.consumer.cli import build_parser
 from kinference.consumer.config import ENV_PREFIX, ServiceConfig, load_config
 from kinference.consumer.metrics import Metrics
@@ -168,6 +169,11 @@ def test_compose_stack_has_its_parts():
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert services["kinference-gpu"]["profiles"] == ["gpu"] and services["loadgen"]["profiles"] == ["load"]
     assert "profiles" not in services["kinference"]  # plain `docker compose up` serves
+    # The image's health check probes `kinference serve`: the loadgen container must not inherit it.
+    assert services["loadgen"]["healthcheck"] == {"disable": True}
+    # The CUDA wheels bring their own CUDA libraries: the GPU image keeps the default base.
+    assert "BASE_IMAGE" not in services["kinference-gpu"]["build"]["args"]
+    assert "cu" in services["kinference-gpu"]["build"]["args"]["TORCH_INDEX_URL"].rsplit("/", 1)[-1]
     for service in ("prometheus", "grafana"):
         for volume in services[service]["volumes"]:
             assert (DEPLOY / volume.split(":")[0]).exists(), volume
@@ -340,7 +346,7 @@ def test_dockerfile_runs_kinference_serve_as_non_root_with_a_health_check():
     assert json.loads(ops["ENTRYPOINT"]) == ["kinference", "serve"]
     user = ops["USER"].split(":")[0]
     assert user.isdigit() and int(user) != 0, "a numeric non-root USER (Kubernetes runAsNonRoot checks it)"
-    assert "/healthz" in ops["HEALTHCHECK"] and "KINFERENCE_METRICS_PORT" in ops["HEALTHCHECK"]
+    assert json.loads(ops["HEALTHCHECK"].split("CMD", 1)[1]) == ["kinference", "healthcheck"]
     assert ops["EXPOSE"] == str(ServiceConfig.model_fields["metrics_port"].default)
     assert ops["FROM"] == "${BASE_IMAGE}" and "BASE_IMAGE" in dockerfile_args()
 

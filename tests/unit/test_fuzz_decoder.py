@@ -15,9 +15,11 @@ import pytest
 from confluent_kafka import Producer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kinference.consumer import protocol
-from kinference.consumer.errors import ErrorCode, RequestError
 
+from kinference import protocol
+from kinference.consumer import request as requests
+from kinference.errors import RequestError
+from kinference.protocol import ErrorCode
 from tests.fakes import FakeRecord
 
 KNOWN_HEADERS = [protocol.CORRELATION_ID, protocol.REPLY_TO, protocol.DEADLINE_MS, protocol.SPRING_CORRELATION_ID,
@@ -73,7 +75,7 @@ header_names = st.sampled_from(KNOWN_HEADERS) | st.text(max_size=20)
 headers = st.lists(st.tuples(header_names, header_values), max_size=6)
 
 decoders = st.builds(
-    protocol.RequestDecoder,
+    requests.RequestDecoder,
     default_reply_topic=st.just("replies"),
     max_request_bytes=st.sampled_from([1, 64, 1_048_576]),
     payload_format=st.sampled_from(["json", "bytes"]),
@@ -117,8 +119,8 @@ def test_decode_never_raises_and_every_outcome_encodes(producer, decoder, value,
         except TypeError as exc:  # e.g. nested deeper than orjson encodes
             request.fail(RequestError(str(exc), ErrorCode.HANDLER_ERROR))
 
-    reply_headers = protocol.reply_headers(request, now=10.5)
-    reply = protocol.reply_value(request)
+    reply_headers = requests.reply_headers(request, now=10.5)
+    reply = requests.reply_value(request)
     assert all(isinstance(name, str) and isinstance(raw, bytes) for name, raw in reply_headers)
     by_name = dict(reply_headers)
     assert by_name[protocol.STATUS] == (b"ok" if request.ok else b"error")
@@ -133,7 +135,7 @@ def test_decode_never_raises_and_every_outcome_encodes(producer, decoder, value,
     producer.produce("replies", reply, key, headers=reply_headers)
 
     if request.dead_letter:
-        letter_headers = protocol.dead_letter_headers(request, request.error)
+        letter_headers = requests.dead_letter_headers(request, request.error)
         assert letter_headers[: len(request.headers)] == request.headers
         added = dict(letter_headers[len(request.headers):])
         assert added[protocol.ERROR_CODE] == str(request.error.code).encode()
@@ -151,5 +153,5 @@ ROUTING = (protocol.CORRELATION_ID, protocol.REPLY_TO, protocol.SPRING_REPLY_TOP
 def test_routing_headers_are_read_even_when_another_header_is_bad(value, record_headers):
     """Whatever else a record holds, its valid routing headers are read (an error reply finds its caller)."""
     good = [(protocol.CORRELATION_ID, b"caller-1"), (protocol.REPLY_TO, b"their-replies")]
-    request = protocol.RequestDecoder("replies", 1_048_576).decode(FakeRecord(value, headers=good + record_headers))
+    request = requests.RequestDecoder("replies", 1_048_576).decode(FakeRecord(value, headers=good + record_headers))
     assert (request.correlation_id, request.reply_topic) == ("caller-1", "their-replies")

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 import torch
-from kinference.consumer.errors import HandlerLoadError
+
+from kinference.errors import HandlerLoadError
 from kinference.handlers.accelerate import Accelerator, ShapeBuckets, bucket_for, powers_of_two
 from kinference.handlers.text import TextHandler
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from kinference.consumer.errors import HandlerLoadError
-from kinference.handlers import HandlerContext
-from kinference.handlers.classification import TextClassificationHandler
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from kinference.errors import HandlerLoadError
+from kinference.handlers import HandlerContext
+from kinference.handlers.classification import TextClassificationHandler
 from tests.models import TINY_LABELS, build_tiny_classifier
 
 pytestmark = pytest.mark.model

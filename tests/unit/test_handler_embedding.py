@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 import pytest
 import torch
-from kinference.consumer.errors import HandlerLoadError
+
+from kinference.errors import HandlerLoadError
 from kinference.handlers import HandlerContext
 from kinference.handlers.embedding import EmbeddingHandler
-
 from tests.models import reference_embeddings, varied_texts
 
 

@@ -8,14 +8,15 @@ from typing import Any
 
 import pytest
 import torch
-from kinference.consumer.errors import ErrorCode, HandlerLoadError, InvalidInput
+from torch._dynamo import register_backend
+from transformers import AutoTokenizer
+
+from kinference.errors import HandlerLoadError, InvalidInput
 from kinference.handlers import HandlerContext, load_handler
 from kinference.handlers.classification import TextClassificationHandler
 from kinference.handlers.embedding import EmbeddingHandler
 from kinference.handlers.text import TextBatch, TextItem, validate_text
-from torch._dynamo import register_backend
-from transformers import AutoTokenizer
-
+from kinference.protocol import ErrorCode
 from tests.models import build_tiny_classifier, varied_texts
 
 

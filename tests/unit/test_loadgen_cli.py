@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kinference.loadgen.cli import _plan, build_parser, main
 
 

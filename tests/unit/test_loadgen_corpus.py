@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kinference.loadgen.corpus import builtin_corpus, read_jsonl
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kinference.loadgen.report import Sample, build_report, percentiles
 
 FIXED_KEYS = {"sent", "ok", "errors", "lost", "duplicates", "throughput_rps", "latency_ms"}

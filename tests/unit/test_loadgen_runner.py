@@ -8,13 +8,14 @@ import time
 
 import orjson
 import pytest
-from kinference.consumer import protocol
+from rich.console import Console
+
+from kinference import protocol
 from kinference.loadgen.errors import RequestTimeout
 from kinference.loadgen.live import LiveStats, ProgressView
 from kinference.loadgen.pending import ClientStats
 from kinference.loadgen.reply import Reply
 from kinference.loadgen.runner import LoadPlan, run_load, run_sweep
-from rich.console import Console
 
 
 class FakeClient:

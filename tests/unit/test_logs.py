@@ -1,8 +1,8 @@
 import logging
 
 import orjson
-from kinference.consumer.logs import JsonFormatter, TextFormatter, about
 
+from kinference.consumer.logs import JsonFormatter, TextFormatter, about
 from tests.fakes import make_request
 
 

@@ -2,12 +2,14 @@ import struct
 
 import orjson
 import pytest
-from kinference.consumer import protocol
-from kinference.consumer.errors import ErrorCode, RequestError
 
+from kinference import protocol
+from kinference.consumer import request as requests
+from kinference.errors import RequestError
+from kinference.protocol import ErrorCode
 from tests.fakes import FakeRecord
 
-DECODER = protocol.RequestDecoder("replies", max_request_bytes=100)
+DECODER = requests.RequestDecoder("replies", max_request_bytes=100)
 
 
 def test_valid_request_reads_headers_and_payload():
@@ -33,7 +35,7 @@ def test_spring_headers():
     ]))
     assert request.ok and request.reply_topic == "spring-replies" and request.reply_partition == 3
     assert request.correlation_id == spring_id.hex()
-    headers = dict(protocol.reply_headers(request, now=0.0))
+    headers = dict(requests.reply_headers(request, now=0.0))
     assert headers[protocol.SPRING_CORRELATION_ID] == spring_id
 
 
@@ -65,7 +67,7 @@ def test_bad_header_still_keeps_the_routing_of_good_ones():
 
 
 def test_bytes_handlers_get_raw_values():
-    decoder = protocol.RequestDecoder("replies", 100, payload_format="bytes")
+    decoder = requests.RequestDecoder("replies", 100, payload_format="bytes")
     assert decoder.decode(FakeRecord(b"\xff\x00")).payload == b"\xff\x00"
 
 
@@ -73,21 +75,21 @@ def test_reply_encoding_and_headers():
     request = DECODER.decode(FakeRecord(b"1", headers=[(protocol.CORRELATION_ID, b"c1")]))
     request.reply_value = protocol.encode_result({"embedding": [0.5]})
     request.received, request.dispatched, request.batch_size, request.inference_ms = 1.0, 1.5, 8, 12.5
-    headers = dict(protocol.reply_headers(request, now=2.0))
-    assert orjson.loads(protocol.reply_value(request)) == {"result": {"embedding": [0.5]}}
+    headers = dict(requests.reply_headers(request, now=2.0))
+    assert orjson.loads(requests.reply_value(request)) == {"result": {"embedding": [0.5]}}
     assert headers[protocol.STATUS] == b"ok" and headers[protocol.CORRELATION_ID] == b"c1"
     assert float(headers[protocol.QUEUE_MS]) == 500.0 and headers[protocol.BATCH_SIZE] == b"8"
     assert float(headers[protocol.SERVICE_MS]) == 1000.0 and float(headers[protocol.INFERENCE_MS]) == 12.5
 
     request.error = RequestError("too late", ErrorCode.DEADLINE_EXCEEDED)
-    assert orjson.loads(protocol.reply_value(request)) == {
+    assert orjson.loads(requests.reply_value(request)) == {
         "error": {"code": "deadline_exceeded", "message": "too late"}}
-    assert dict(protocol.reply_headers(request, now=2.0))[protocol.ERROR_CODE] == b"deadline_exceeded"
+    assert dict(requests.reply_headers(request, now=2.0))[protocol.ERROR_CODE] == b"deadline_exceeded"
 
 
 def test_dead_letter_headers_keep_originals_and_say_where_from():
     request = DECODER.decode(FakeRecord(b"{", headers=[("x-trace", b"t1")], topic="t", partition=1, offset=9))
-    headers = protocol.dead_letter_headers(request, request.error)
+    headers = requests.dead_letter_headers(request, request.error)
     assert ("x-trace", b"t1") in headers
     as_dict = dict(headers)
     assert as_dict[protocol.ERROR_CODE] == b"bad_request"
@@ -96,7 +98,7 @@ def test_dead_letter_headers_keep_originals_and_say_where_from():
 
 
 def test_oversized_headers_are_payload_too_large_but_routing_is_kept():
-    decoder = protocol.RequestDecoder("replies", 100, max_header_bytes=64)
+    decoder = requests.RequestDecoder("replies", 100, max_header_bytes=64)
     request = decoder.decode(FakeRecord(b"1", headers=[(protocol.CORRELATION_ID, b"c9"), ("junk", b"x" * 100)]))
     assert request.error.code == ErrorCode.PAYLOAD_TOO_LARGE and request.dead_letter
     assert "max_header_bytes is 64" in request.error.message and request.correlation_id == "c9"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 from confluent_kafka import KafkaError
-from kinference.consumer.errors import ErrorCode, RequestError
-from kinference.consumer.metrics import Metrics
-from kinference.consumer.protocol import encode_result
-from kinference.consumer.publisher import Publisher
 
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.publisher import Publisher
+from kinference.errors import RequestError
+from kinference.protocol import ErrorCode, encode_result
 from tests.fakes import make_request
 
 

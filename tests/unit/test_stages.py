@@ -5,11 +5,11 @@ import time
 
 import numpy as np
 import pytest
-from kinference.consumer.admission import admit
-from kinference.consumer.errors import InvalidInput, RequestError
-from kinference.consumer.stages import Pipeline, finite
-from kinference.handlers.base import Handler
 
+from kinference.consumer.admission import admit
+from kinference.consumer.stages import Pipeline, finite
+from kinference.errors import InvalidInput, RequestError
+from kinference.handlers.base import Handler
 from tests.fakes import make_request
 
 

@@ -1,43 +1,46 @@
-"""The wire protocol: Kafka record -> ``Request``, and ``Request`` -> reply / dead-letter record.
-
-See docs/protocol.md for the user-facing description. Everything that names a header lives here.
+"""``Request``, the value that travels through the service: how a Kafka record becomes one, and what its
+reply and dead-letter records carry. The names and formats themselves are in ``kinference.protocol``.
 """
 
 from __future__ import annotations
 
 import re
-import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
-from kinference.consumer.errors import ErrorCode, RequestError
 
-CORRELATION_ID = "kinference-correlation-id"
-REPLY_TO = "kinference-reply-to"
-DEADLINE_MS = "kinference-deadline-ms"
-STATUS = "kinference-status"
-ERROR_CODE = "kinference-error-code"
-ERROR_MESSAGE = "kinference-error-message"
-QUEUE_MS = "kinference-queue-ms"
-BATCH_SIZE = "kinference-batch-size"
-INFERENCE_MS = "kinference-inference-ms"
-SERVICE_MS = "kinference-service-ms"
-SOURCE_TOPIC = "kinference-source-topic"
-SOURCE_PARTITION = "kinference-source-partition"
-SOURCE_OFFSET = "kinference-source-offset"
-# Spring Kafka's ReplyingKafkaTemplate headers (KafkaHeaders.CORRELATION_ID, REPLY_TOPIC, REPLY_PARTITION).
-SPRING_CORRELATION_ID = "kafka_correlationId"
-SPRING_REPLY_TOPIC = "kafka_replyTopic"
-SPRING_REPLY_PARTITION = "kafka_replyPartition"
+from kinference.errors import RequestError
+from kinference.protocol import (
+    BATCH_SIZE,
+    CORRELATION_ID,
+    DEADLINE_MS,
+    ERROR_CODE,
+    ERROR_MESSAGE,
+    INFERENCE_MS,
+    MAX_ERROR_MESSAGE,
+    QUEUE_MS,
+    REPLY_TO,
+    SERVICE_MS,
+    SOURCE_OFFSET,
+    SOURCE_PARTITION,
+    SOURCE_TOPIC,
+    SPRING_CORRELATION_ID,
+    SPRING_REPLY_PARTITION,
+    SPRING_REPLY_TOPIC,
+    STATUS,
+    ErrorCode,
+    PayloadFormat,
+    decode_deadline,
+    decode_partition,
+    encode_error,
+)
 
-PayloadFormat = Literal["json", "bytes"]
 Headers = list[tuple[str, bytes]]
 
 _LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
-_MAX_ERROR_MESSAGE = 1000
 
 
 @dataclass(slots=True, eq=False)
@@ -199,30 +202,17 @@ def _topic(raw: bytes, name: str) -> str:
 
 
 def _partition(raw: bytes) -> int:
-    if len(raw) != 4:
-        raise RequestError(
-            f"header {SPRING_REPLY_PARTITION} must be a 4-byte big-endian int", ErrorCode.BAD_REQUEST
-        )
-    partition = struct.unpack(">i", raw)[0]
-    if partition < 0:
-        raise RequestError(f"header {SPRING_REPLY_PARTITION} is negative", ErrorCode.BAD_REQUEST)
-    return partition
+    try:
+        return decode_partition(raw)
+    except ValueError as exc:
+        raise RequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
 
 
 def _deadline(raw: bytes) -> int:
     try:
-        return int(raw.decode("ascii"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise RequestError(f"header {DEADLINE_MS} must be epoch milliseconds", ErrorCode.BAD_REQUEST) from exc
-
-
-def encode_result(result: Any) -> bytes:
-    """The reply value of a successful request (called by the postprocess stage, off the publish thread)."""
-    return orjson.dumps({"result": result}, option=orjson.OPT_SERIALIZE_NUMPY)
-
-
-def encode_error(error: RequestError) -> bytes:
-    return orjson.dumps({"error": {"code": str(error.code), "message": error.message[:_MAX_ERROR_MESSAGE]}})
+        return decode_deadline(raw)
+    except ValueError as exc:
+        raise RequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
 
 
 def reply_headers(request: Request, now: float) -> Headers:
@@ -247,7 +237,7 @@ def reply_headers(request: Request, now: float) -> Headers:
 
 def reply_value(request: Request) -> bytes:
     if request.error is not None:
-        return encode_error(request.error)
+        return encode_error(request.error.code, request.error.message)
     assert request.reply_value is not None, "postprocess sets reply_value on every ok request"
     return request.reply_value
 
@@ -258,7 +248,7 @@ def dead_letter_headers(request: Request, error: RequestError, original: bool = 
     return [
         *(request.headers if original else []),
         (ERROR_CODE, str(error.code).encode()),
-        (ERROR_MESSAGE, error.message[:_MAX_ERROR_MESSAGE].encode()),
+        (ERROR_MESSAGE, error.message[:MAX_ERROR_MESSAGE].encode()),
         (SOURCE_TOPIC, request.topic.encode()),
         (SOURCE_PARTITION, str(request.partition).encode()),
         (SOURCE_OFFSET, str(request.offset).encode()),

@@ -1,0 +1,101 @@
+"""The wire format that the service and its clients share: header names, error codes, the reply value.
+
+It needs only orjson, so a client installs without the service. docs/protocol.md describes it for users.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import StrEnum
+from typing import Any, Literal
+
+import orjson
+
+CORRELATION_ID = "kinference-correlation-id"
+REPLY_TO = "kinference-reply-to"
+DEADLINE_MS = "kinference-deadline-ms"
+STATUS = "kinference-status"
+ERROR_CODE = "kinference-error-code"
+ERROR_MESSAGE = "kinference-error-message"
+QUEUE_MS = "kinference-queue-ms"
+BATCH_SIZE = "kinference-batch-size"
+INFERENCE_MS = "kinference-inference-ms"
+SERVICE_MS = "kinference-service-ms"
+SOURCE_TOPIC = "kinference-source-topic"
+SOURCE_PARTITION = "kinference-source-partition"
+SOURCE_OFFSET = "kinference-source-offset"
+# Spring Kafka's ReplyingKafkaTemplate headers (KafkaHeaders.CORRELATION_ID, REPLY_TOPIC, REPLY_PARTITION).
+SPRING_CORRELATION_ID = "kafka_correlationId"
+SPRING_REPLY_TOPIC = "kafka_replyTopic"
+SPRING_REPLY_PARTITION = "kafka_replyPartition"
+
+PayloadFormat = Literal["json", "bytes"]
+"""How a handler wants request values: ``json`` parsed with orjson, ``bytes`` handed over raw."""
+
+MAX_ERROR_MESSAGE = 1000
+"""Error messages are cut to this many characters in replies and dead-letter headers."""
+
+
+class ErrorCode(StrEnum):
+    """Codes of the ``{"error": {"code": ...}}`` reply. Clients may switch on them: never rename."""
+
+    BAD_REQUEST = "bad_request"
+    """The record is not a valid request: undecodable value or headers, or rejected by the handler."""
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    """The record value is larger than ``max_request_bytes``, or its headers than ``max_header_bytes``."""
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    """The ``kinference-deadline-ms`` deadline passed before the request was computed."""
+    OVERLOADED = "overloaded"
+    """Shed unanswered: the request was older than ``max_queue_ms`` when the service got to it."""
+    HANDLER_ERROR = "handler_error"
+    """The handler raised, or returned outputs that do not match its inputs."""
+    INTERNAL_ERROR = "internal_error"
+    """A fault in kinference itself; the message says what failed."""
+
+
+def encode_result(result: Any) -> bytes:
+    """The reply value of a successful request: ``{"result": ...}`` (numpy arrays become lists)."""
+    return orjson.dumps({"result": result}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def encode_error(code: ErrorCode | str, message: str) -> bytes:
+    """The reply value of a failed request: ``{"error": {"code": ..., "message": ...}}``."""
+    return orjson.dumps({"error": {"code": str(code), "message": message[:MAX_ERROR_MESSAGE]}})
+
+
+def decode_error(value: bytes | None) -> dict[str, Any]:
+    """The ``error`` object of a reply value; empty when the value holds none."""
+    try:
+        body = orjson.loads(value) if value else None
+    except orjson.JSONDecodeError:
+        return {}
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
+def encode_partition(partition: int) -> bytes:
+    """``kafka_replyPartition``: a 4-byte big-endian int, as Spring writes it."""
+    return struct.pack(">i", partition)
+
+
+def decode_partition(raw: bytes) -> int:
+    """Inverse of ``encode_partition``; ``ValueError`` says what is wrong."""
+    if len(raw) != 4:
+        raise ValueError(f"header {SPRING_REPLY_PARTITION} must be a 4-byte big-endian int")
+    partition = struct.unpack(">i", raw)[0]
+    if partition < 0:
+        raise ValueError(f"header {SPRING_REPLY_PARTITION} is negative")
+    return partition
+
+
+def encode_deadline(epoch_ms: int) -> bytes:
+    """``kinference-deadline-ms``: epoch milliseconds as ASCII digits."""
+    return str(epoch_ms).encode("ascii")
+
+
+def decode_deadline(raw: bytes) -> int:
+    """Inverse of ``encode_deadline``; ``ValueError`` says what is wrong."""
+    try:
+        return int(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"header {DEADLINE_MS} must be epoch milliseconds") from exc
