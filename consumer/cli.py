@@ -22,6 +22,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
 from kinference.consumer.config import ENV_PREFIX, ServiceConfig, load_config
 from kinference.consumer.logs import setup_logging
 from kinference.errors import KinferenceError
@@ -135,7 +137,9 @@ def _stop_on_signals() -> threading.Event:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kinference.consumer.broker import EmbeddedBroker
+    """Exit 0 after a clean stop (SIGTERM, SIGINT); 1 when the service cannot go on (a thread died, a fatal
+    consumer or producer error, a request that cannot be answered), so that the orchestrator restarts it."""
+    from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
     from kinference.consumer.service import Service
     from kinference.consumer.topics import create_topics
 
@@ -146,14 +150,16 @@ def run_serve(args: argparse.Namespace) -> int:
         if config.embedded_broker:
             broker = stack.enter_context(EmbeddedBroker())
             create_topics(broker.bootstrap_servers, dict.fromkeys(config.topics(), 4))
-            config = config.model_copy(update={"bootstrap_servers": broker.bootstrap_servers})
+            tuned = {key: SecretStr(value) for key, value in LOW_LATENCY_CONSUMER.items()}
+            config = config.model_copy(update={"bootstrap_servers": broker.bootstrap_servers,
+                                               "kafka_consumer": {**tuned, **config.kafka_consumer}})
             log.info("embedded broker: --bootstrap-servers %s", broker.bootstrap_servers)
         service = Service(config)
         service.start()
         try:
             while not stop.wait(_HEALTH_CHECK_S):
                 if not service.healthy:
-                    log.critical("a service thread died; stopping (exit code 1)")
+                    log.critical("stopping (exit code 1): %s", "; ".join(service.problems()))
                     return 1
         finally:
             service.stop()
@@ -210,11 +216,13 @@ def _healthz_url_of(pid: int) -> str:
 
 
 def run_broker(args: argparse.Namespace) -> int:
-    from kinference.consumer.broker import EmbeddedBroker
+    from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
 
     setup_logging("INFO")
     stop = _stop_on_signals()
     with EmbeddedBroker(port=args.port, host=args.host, storage=args.storage) as broker:
-        print(f"broker ready: --bootstrap-servers {broker.bootstrap_servers} (Ctrl-C to stop)", flush=True)
+        low_latency = " ".join(f"--kafka-consumer {key}={value}" for key, value in LOW_LATENCY_CONSUMER.items())
+        print(f"broker ready: --bootstrap-servers {broker.bootstrap_servers} (Ctrl-C to stop); consumers of this "
+              f"broker want {low_latency}", flush=True)
         stop.wait()
     return 0

@@ -1,29 +1,43 @@
-"""The commit rule of at-least-once delivery, kept in this one module.
+"""The commit rule, kept in this one module: an offset is committed only once its request is answered.
 
-Per partition, kinference commits offset N only when every record below N has been answered: its reply
-(and dead letter, if any) was acknowledged by the broker. Records finish out of order (micro-batches,
-several threads, error replies that skip the model); the ledger tracks them and moves the commit
-position only over a contiguous run of finished offsets. A record whose partition was revoked is
-never committed by this member: its ledger is detached, so late acknowledgements change nothing.
+Per partition, kinference commits offset N only when every record below N that this member consumed has
+been answered: its reply (and dead letter, if any) was acknowledged by the broker (at-least-once), or is
+held for the next transaction (exactly-once, see ``transactions``). Records finish out of order
+(micro-batches, several threads, error replies that skip the model); the ledger tracks them and moves the
+commit position only over a contiguous run of finished offsets.
+
+Three rules keep the position honest:
+
+- Every record the consumer hands over is tracked before anything that can fail (``source``), so no
+  record can fall through the poll loop and be committed over unanswered.
+- If the consumer's position ever passes an offset that was not tracked, that is a bug upstream: the
+  ledger logs it and never moves its commit position past the gap (``check_position``).
+- A ledger belongs to one assignment. On revoke it is detached: late answers for it change nothing, and a
+  partition assigned again gets a new ledger.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
+from typing import Any
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from kinference.consumer.request import Request
+
+log = logging.getLogger(__name__)
 
 PartitionKey = tuple[str, int]
 
 
 class PartitionLedger:
-    """Offsets of one assigned partition that are consumed and not yet committable."""
+    """The offsets of one partition in one assignment that are consumed and not yet committable."""
 
-    __slots__ = ("_done", "_pending", "abandoned", "attached", "key", "last_tracked", "position")
+    __slots__ = ("_done", "_pending", "abandoned", "attached", "gap", "key", "last_tracked", "position")
 
     def __init__(self, key: PartitionKey) -> None:
         self.key = key
@@ -31,13 +45,21 @@ class PartitionLedger:
         self._done: set[int] = set()
         self.abandoned = 0
         self.position: int | None = None
-        """The next offset to commit: every offset below it is finished."""
+        """The next offset to commit: every tracked offset below it is finished."""
         self.last_tracked = -1
+        self.gap: int | None = None
+        """The first offset the consumer passed without this ledger tracking it (a bug): never committed over."""
         self.attached = True
 
     @property
     def in_flight(self) -> int:
         return len(self._pending) - len(self._done) - self.abandoned
+
+    @property
+    def committable(self) -> int | None:
+        if self.position is None or self.gap is None:
+            return self.position
+        return min(self.position, self.gap)
 
     def track(self, offset: int) -> bool:
         if offset <= self.last_tracked:
@@ -66,14 +88,14 @@ class OffsetTracker:
         self._ledgers: dict[PartitionKey, PartitionLedger] = {}
         self._committed: dict[PartitionKey, int] = {}
 
-    def assign(self, partitions: list[PartitionKey]) -> None:
+    def assign(self, partitions: Iterable[PartitionKey]) -> None:
         with self._cond:
             for key in partitions:
                 if key not in self._ledgers:
                     self._ledgers[key] = PartitionLedger(key)
 
-    def revoke(self, partitions: list[PartitionKey]) -> None:
-        """Detach these ledgers: replies still in flight for them will not move any commit."""
+    def revoke(self, partitions: Iterable[PartitionKey]) -> None:
+        """Detach these ledgers: answers still in flight for them will not move any commit."""
         with self._cond:
             for key in partitions:
                 ledger = self._ledgers.pop(key, None)
@@ -82,32 +104,44 @@ class OffsetTracker:
                 self._committed.pop(key, None)
             self._cond.notify_all()
 
-    def track(self, request: Request) -> bool:
+    def track(self, key: PartitionKey, offset: int) -> PartitionLedger | None:
         """Register a consumed record; it counts as in flight until ``finish`` or ``abandon``.
 
-        False (and not registered) when its partition is not assigned to this member, or the record
-        was tracked already: a record fetched before a revoke can still come out of the same
-        ``consume()`` call that ran the revoke. Serving it would answer a request the next owner
-        also serves, and commit a partition this member no longer owns; the caller drops it.
+        None (and not registered) when its partition is not assigned to this member, or the record was
+        tracked already: a record fetched before a revoke can still come out of the same ``consume()`` call
+        that ran the revoke. Serving it would answer a request the next owner also serves, and commit a
+        partition this member no longer owns; the caller drops it.
         """
         with self._cond:
-            ledger = self._ledgers.get((request.topic, request.partition))
-            if ledger is None or not ledger.track(request.offset):
-                return False
-            request.ledger = ledger
-            return True
+            ledger = self._ledgers.get(key)
+            if ledger is None or not ledger.track(offset):
+                return None
+            return ledger
+
+    def check_position(self, key: PartitionKey, position: int) -> None:
+        """The consumer says the next record of ``key`` it will hand over is at ``position``: every record
+        below it must have been tracked. Otherwise a record was lost between the consumer and the tracker;
+        the commit position then stops at the first such offset, for good (a restart serves it again)."""
+        with self._cond:
+            ledger = self._ledgers.get(key)
+            if ledger is None or ledger.gap is not None or position <= ledger.last_tracked + 1:
+                return
+            ledger.gap = ledger.last_tracked + 1
+        log.critical("bug: the consumer passed %s[%d] offsets %d-%d, which were never tracked; the commit position "
+                     "of this partition stops at %d until the partition is reassigned or the service restarts",
+                     key[0], key[1], ledger.gap, position - 1, ledger.gap)
 
     def finish(self, request: Request) -> None:
-        """The record is answered (reply acknowledged by the broker)."""
+        """The record is answered (reply acknowledged by the broker, or held for the transaction)."""
         with self._cond:
             ledger: PartitionLedger | None = request.ledger
             if ledger is not None and ledger.attached:
                 ledger.finish(request.offset)
                 self._cond.notify_all()
 
-    def abandon(self, requests: list[Request]) -> None:
-        """Records dropped unanswered (their partition is being revoked): the next owner serves
-        them, so they leave the in-flight count but the commit position never passes them."""
+    def abandon(self, requests: Iterable[Request]) -> None:
+        """Records dropped unanswered (their partition is being revoked): the next owner serves them, so they
+        leave the in-flight count but the commit position never passes them."""
         with self._cond:
             for request in requests:
                 ledger: PartitionLedger | None = request.ledger
@@ -120,13 +154,13 @@ class OffsetTracker:
         with self._cond:
             return sum(ledger.in_flight for ledger in self._ledgers.values())
 
-    def wait_idle(self, timeout_s: float, partitions: list[PartitionKey] | None = None) -> bool:
+    def wait_idle(self, timeout_s: float, partitions: Iterable[PartitionKey] | None = None) -> bool:
         """Wait until no record of ``partitions`` (default: all) is in flight; False on timeout."""
         deadline = time.monotonic() + timeout_s
+        keys = None if partitions is None else list(partitions)
 
         def idle() -> bool:
-            keys = self._ledgers.keys() if partitions is None else partitions
-            return all(self._ledgers[k].in_flight <= 0 for k in keys if k in self._ledgers)
+            return all(self._ledgers[k].in_flight <= 0 for k in (keys or self._ledgers) if k in self._ledgers)
 
         with self._cond:
             while not idle():
@@ -136,22 +170,77 @@ class OffsetTracker:
                 self._cond.wait(remaining)
             return True
 
-    def commit_offsets(self, partitions: list[PartitionKey] | None = None) -> list[TopicPartition]:
-        """Offsets that moved since the last call (Kafka semantics: the next offset to consume)."""
+    def commit_offsets(self, partitions: Iterable[PartitionKey] | None = None) -> list[TopicPartition]:
+        """Offsets that moved since the last commit (Kafka semantics: the next offset to consume)."""
         with self._cond:
             keys = list(self._ledgers) if partitions is None else partitions
             offsets = []
             for key in keys:
                 ledger = self._ledgers.get(key)
-                if ledger is None or ledger.position is None:
-                    continue
-                if self._committed.get(key) != ledger.position:
-                    offsets.append(TopicPartition(key[0], key[1], ledger.position))
+                position = None if ledger is None else ledger.committable
+                if position is not None and self._committed.get(key) != position:
+                    offsets.append(TopicPartition(key[0], key[1], position))
             return offsets
 
-    def committed(self, offsets: list[TopicPartition]) -> None:
+    def committed(self, offsets: Iterable[TopicPartition]) -> None:
         """Record offsets the broker accepted, so they are not sent again."""
         with self._cond:
             for tp in offsets:
                 if (tp.topic, tp.partition) in self._ledgers:
                     self._committed[(tp.topic, tp.partition)] = tp.offset
+
+
+class ConsumerCommitter:
+    """At-least-once: the consumer commits the tracker's positions. Asynchronously on an interval, with the
+    outcome reported to ``on_commit`` (a synchronous commit in the poll thread would wait out a coordinator
+    fail-over), synchronously on revoke and close, when the partition is about to change hands.
+
+    Exactly-once has no such object: its offsets go into each transaction (``transactions``)."""
+
+    def __init__(self, tracker: OffsetTracker, metrics: Any, interval_s: float) -> None:
+        self._tracker = tracker
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self._next = 0.0
+        self._waiting = False
+        """An asynchronous commit is out: the next waits for its report, so that commits never pile up while the
+        coordinator does not answer (a rebalance, a fail-over)."""
+
+    def maybe_commit(self, consumer: Any, now: float) -> None:
+        if now < self._next or self._waiting:
+            return
+        self._next = now + self._interval_s
+        offsets = self._tracker.commit_offsets()
+        if offsets:
+            self._waiting = True
+            consumer.commit(offsets=offsets, asynchronous=True)
+
+    def commit(self, consumer: Any, partitions: list[PartitionKey] | None = None) -> None:
+        offsets = self._tracker.commit_offsets(partitions)
+        if not offsets:
+            return
+        try:
+            result = consumer.commit(offsets=offsets, asynchronous=False)
+        except KafkaException as exc:
+            # Nothing is lost: the next owner, or this member after a restart, serves them again.
+            self._metrics.commit_failures.inc()
+            log.warning("commit of %d partitions failed: %s", len(offsets), exc)
+            return
+        self._accepted(result or offsets)
+
+    def on_commit(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        """librdkafka's report of an asynchronous commit (served by ``poll``, in the poll thread)."""
+        self._waiting = False
+        if error is not None:
+            # Nothing is lost: the same offsets (or later ones) are committed next time.
+            self._metrics.commit_failures.inc()
+            log.warning("commit failed: %s", error)
+            return
+        self._accepted(partitions)
+
+    def _accepted(self, partitions: list[TopicPartition]) -> None:
+        accepted = [tp for tp in partitions if tp.error is None]
+        if len(accepted) < len(partitions):
+            self._metrics.commit_failures.inc()
+        self._tracker.committed(accepted)
+        self._metrics.commits.inc()

@@ -8,6 +8,7 @@ construction, so a bad value fails at start with a message that names the field.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from collections.abc import Mapping
@@ -27,10 +28,7 @@ _CONSUMER_DEFAULTS = {
     "enable.auto.commit": "false",
     "enable.auto.offset.store": "false",
     "auto.offset.reset": "earliest",
-    "partition.assignment.strategy": "range",
-    # Brokers that do not wake a fetch when data arrives (Tansu) answer only after fetch.wait.max.ms:
-    # a low value keeps latency low everywhere at the cost of a few more idle fetches.
-    "fetch.wait.max.ms": "10",
+    # A resume refills the prefetch queue at once instead of after librdkafka's default 1 s back-off.
     "fetch.queue.backoff.ms": "10",
     # Prefetched records wait here while partitions are paused: bound them well below librdkafka's 64 MiB.
     "queued.max.messages.kbytes": "16384",
@@ -43,8 +41,15 @@ _PRODUCER_DEFAULTS = {
     "linger.ms": "2",
     "compression.type": "lz4",
 }
+# The classic group protocol's assignor: incremental, so a rebalance moves only the partitions that change
+# owner and the others keep being served. KIP-848's protocol (group.protocol=consumer) assigns on the broker
+# and is always incremental; it refuses this property.
+_CLASSIC_ASSIGNOR = {"partition.assignment.strategy": "cooperative-sticky"}
 # Properties whose meaning kinference's commit rule depends on: overriding them would silently lose data.
 _PINNED_CONSUMER = {"enable.auto.commit": "false", "enable.auto.offset.store": "false"}
+# Producer properties whose weaker values would give up what the delivery modes promise.
+_PINNED_PRODUCER = {"acks": ("all", "-1"), "enable.idempotence": ("true",)}
+_LIBRDKAFKA_DELIVERY_TIMEOUT_MS = 300_000
 # Properties that first-class options set: a pass-through copy would silently win over the option.
 _OWNED_PROPERTIES = {
     "bootstrap.servers": "bootstrap_servers",
@@ -186,14 +191,28 @@ class ServiceConfig(BaseModel):
         None, gt=0, description="Shed requests older than this (since written to Kafka) with overloaded "
         "(default: never shed).",
     )
+    reply_topics_allowed: list[str] = Field(
+        [], description="Reply topics a request may name besides --reply-topic: names or shell-style patterns "
+        "(replies-*), comma-separated. The request and dead-letter topics are never allowed.",
+    )
     commit_interval_ms: int = Field(1000, ge=10, description="How often acknowledged offsets are committed.")
     rebalance_drain_ms: int = Field(
         5000, ge=0, description="On revoke, how long to wait for in-flight replies before committing."
     )
-    shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM, how long to drain in-flight work.")
-    producer_stall_timeout_s: float = Field(
-        15.0, gt=0, description="Replace the producer when it reports no delivery for this long with records "
-        "outstanding (e.g. fenced after a broker lost its state).",
+    shutdown_grace_s: float = Field(
+        30.0, ge=1, description="On SIGTERM, the deadline of the whole shutdown: drain in-flight work, flush "
+        "replies, commit and leave the group within it (keep it below terminationGracePeriodSeconds).",
+    )
+    delivery_retry_timeout_s: float = Field(
+        600.0, gt=0, description="How long a reply or dead letter that failed for a passing reason (timed out "
+        "in a broker outage) is produced again; past it the service stops with exit code 1.",
+    )
+    producer_stall_timeout_s: float | None = Field(
+        None, gt=0, description="Replace the producer after no successful delivery for this long with records "
+        "outstanding (default: librdkafka's delivery timeout, message.timeout.ms, plus 30 s).",
+    )
+    lag_interval_s: float = Field(
+        5.0, gt=0, le=3600, description="How often kinference_consumer_lag is refreshed from the broker.",
     )
 
     # --- Operation
@@ -207,7 +226,7 @@ class ServiceConfig(BaseModel):
         9400, ge=0, le=65535, description="Port of /metrics, /healthz and /readyz (0: any free port)."
     )
 
-    _split = field_validator("request_topics", mode="before")(_split_csv)
+    _split = field_validator("request_topics", "reply_topics_allowed", mode="before")(_split_csv)
     _pairs = field_validator("handler_options", mode="before")(_key_values)
 
     @field_validator("kafka", "kafka_consumer", "kafka_producer", mode="before")
@@ -293,6 +312,18 @@ class ServiceConfig(BaseModel):
         for key, value in self.consumer_config().items():
             if key in _PINNED_CONSUMER and value != _PINNED_CONSUMER[key]:
                 raise ValueError(f"{key} must stay {_PINNED_CONSUMER[key]}: kinference commits offsets itself")
+        producer = self.producer_config()
+        for key, allowed in _PINNED_PRODUCER.items():
+            if producer.get(key, allowed[0]).lower() not in allowed:
+                raise ValueError(f"{key} must stay {allowed[0]}: without it a reply can be lost or written twice "
+                                 "by the producer's own retries")
+        delivery_timeout_s = self.delivery_timeout_ms / 1000
+        if self.producer_stall_timeout_s is not None and self.producer_stall_timeout_s <= delivery_timeout_s:
+            raise ValueError(
+                f"producer_stall_timeout_s ({self.producer_stall_timeout_s:g}) must exceed librdkafka's delivery "
+                f"timeout (message.timeout.ms: {delivery_timeout_s:g} s): before it, a slow delivery is not a "
+                "dead producer, and replacing the idempotent producer gives up its de-duplication"
+            )
         for option in ("kafka", "kafka_consumer", "kafka_producer"):
             for key in getattr(self, option):
                 if key in _OWNED_PROPERTIES:
@@ -306,6 +337,36 @@ class ServiceConfig(BaseModel):
     @property
     def resume_threshold(self) -> int:
         return self.max_in_flight // 2 if self.resume_in_flight is None else self.resume_in_flight
+
+    @property
+    def incremental_rebalancing(self) -> bool:
+        """Whether the group protocol moves only the partitions that change owner."""
+        consumer = self.consumer_config()
+        return (consumer.get("group.protocol", "classic").lower() == "consumer"
+                or "cooperative" in consumer.get("partition.assignment.strategy", ""))
+
+    @property
+    def delivery_timeout_ms(self) -> int:
+        """librdkafka's own limit on delivering one record (``message.timeout.ms``, alias ``delivery.timeout.ms``)."""
+        producer = self.producer_config()
+        return int(producer.get("message.timeout.ms", producer.get("delivery.timeout.ms",
+                                                                   _LIBRDKAFKA_DELIVERY_TIMEOUT_MS)))
+
+    @property
+    def stall_timeout_s(self) -> float:
+        if self.producer_stall_timeout_s is not None:
+            return self.producer_stall_timeout_s
+        return self.delivery_timeout_ms / 1000 + 30.0
+
+    def reply_topic_allowed(self, topic: str) -> bool:
+        """Whether a request may have its reply written to ``topic``: the default reply topic, or a name or
+        pattern of ``reply_topics_allowed``; never a request topic or the dead-letter topic (the service
+        would feed itself, or forge dead letters)."""
+        if topic == self.reply_topic:
+            return True
+        if topic in self.request_topics or topic == self.dead_letter_topic:
+            return False
+        return any(fnmatch.fnmatchcase(topic, pattern) for pattern in self.reply_topics_allowed)
 
     def _passthrough(self, *maps: dict[str, SecretStr]) -> dict[str, str]:
         merged: dict[str, str] = {}
@@ -324,11 +385,14 @@ class ServiceConfig(BaseModel):
 
     def consumer_config(self) -> dict[str, str]:
         """The librdkafka consumer dict: kinference's defaults, then the user's pass-through properties."""
+        given = self._passthrough(self.kafka, self.kafka_consumer)
+        classic = given.get("group.protocol", "classic").lower() == "classic"
         return {
             "bootstrap.servers": self.bootstrap_servers,
             "group.id": self.group_id,
             **_CONSUMER_DEFAULTS,
-            **self._passthrough(self.kafka, self.kafka_consumer),
+            **(_CLASSIC_ASSIGNOR if classic else {}),
+            **given,
         }
 
     def producer_config(self) -> dict[str, str]:

@@ -62,8 +62,12 @@ class Metrics:
                                              "fatal error (e.g. fenced after a broker restart).", registry=r)
         self.dead_letters = Counter("kinference_dead_letters", "Records written to the dead-letter topic.",
                                     registry=r)
-        self.consumer_lag = Gauge("kinference_consumer_lag", "High watermark minus the consumer's position, "
-                                  "per assigned partition.", ["topic", "partition"], registry=r)
+        self.rebalance_dropped = Counter("kinference_rebalance_dropped_requests", "Requests of revoked partitions "
+                                         "dropped before they were computed: the partitions' next owner serves "
+                                         "them again (the work a rebalance costs).", registry=r)
+        self.consumer_lag = Gauge("kinference_consumer_lag", "End offset minus the group's committed offset, per "
+                                  "assigned partition (what KEDA's Kafka scaler computes), refreshed from the broker "
+                                  "every lag_interval_s.", ["topic", "partition"], registry=r)
         self.model = Info("kinference_model", "The handler being served.", registry=r)
         self.build = Info("kinference_build", "Versions of kinference and of what it runs on.", registry=r)
         self.build.info(build_info())

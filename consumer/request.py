@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,13 +72,15 @@ class Request:
     error: RequestError | None = None
     dead_letter: bool = False
     """True when the record could not be read as a request: it also goes to the dead-letter topic."""
+    unroutable: bool = False
+    """True when the record's headers could not be read at all, so nobody knows where its caller waits for a
+    reply: only its dead letter answers it."""
     reply_value: bytes | None = None
     dispatched: float | None = None
     batch_size: int = 0
     inference_ms: float = 0.0
     ledger: Any = field(default=None, repr=False)
     """The commit ledger of the partition this record came from (``commit.PartitionLedger``)."""
-    pending_deliveries: int = 0
 
     @property
     def ok(self) -> bool:
@@ -99,6 +102,10 @@ class Request:
         return (now - self.received) * 1000
 
 
+def _any_topic(_topic: str) -> bool:
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class RequestDecoder:
     """Turns consumed records into ``Request`` values; never raises for a bad record."""
@@ -107,29 +114,36 @@ class RequestDecoder:
     max_request_bytes: int
     payload_format: PayloadFormat = "json"
     max_header_bytes: int = 16_384
+    reply_topic_allowed: Callable[[str], bool] = _any_topic
+    """Whether a request may name this reply topic (``config.ServiceConfig.reply_topic_allowed``)."""
 
     def decode(self, record: Any, received: float | None = None) -> Request:
-        """``record`` is a confluent_kafka.Message (or anything with the same accessors)."""
+        """``record`` is a confluent_kafka.Message (or anything with the same accessors). Its coordinates are
+        read first and cannot fail; whatever fails after that becomes the request's error."""
         topic, partition, offset = record.topic(), record.partition(), record.offset()
-        timestamp_type, timestamp = record.timestamp()
         request = Request(
             topic=topic,
             partition=partition,
             offset=offset,
-            key=record.key(),
-            value=record.value(),
-            headers=record.headers() or [],
+            key=None,
+            value=None,
+            headers=[],
             received=time.monotonic() if received is None else received,
             correlation_id=f"{topic}/{partition}/{offset}",
             reply_topic=self.default_reply_topic,
-            timestamp_ms=timestamp if timestamp_type != TIMESTAMP_NOT_AVAILABLE and timestamp > 0 else None,
         )
         try:
+            request.key, request.value = record.key(), record.value()
+            request.timestamp_ms = _timestamp(record)
+            request.headers = _headers(record, request)
             self._read_headers(request)
             self._check_header_size(request.headers)
             request.payload = self._read_value(request.value)
         except RequestError as exc:
             request.error = exc
+            request.dead_letter = True
+        except Exception as exc:  # a record this decoder did not foresee: still a dead letter, never a crash
+            request.error = RequestError(f"the record could not be decoded: {exc!r}", ErrorCode.INTERNAL_ERROR)
             request.dead_letter = True
         return request
 
@@ -153,6 +167,17 @@ class RequestDecoder:
                 problems.append(str(exc))
         if request.spring_correlation_id is not None and not _has_header(request.headers, CORRELATION_ID):
             request.correlation_id = request.spring_correlation_id.hex()
+        if request.reply_topic != self.default_reply_topic and not self.reply_topic_allowed(request.reply_topic):
+            # Whatever else is wrong, nothing is ever written to a topic outside the allow-list: the answer goes
+            # to the default reply topic. Not a dead letter by itself: the record only asks for a route this
+            # service does not serve.
+            asked, request.reply_topic, request.reply_partition = request.reply_topic, self.default_reply_topic, None
+            refusal = (f"reply topic {asked!r} is not allowed (--reply-topics-allowed); the reply goes to "
+                       f"{self.default_reply_topic!r}")
+            if problems:
+                problems.append(refusal)
+            else:
+                request.fail(RequestError(refusal, ErrorCode.REPLY_TOPIC_NOT_ALLOWED))
         if problems:
             # Routing headers were read as far as possible first, so the error reply still finds its caller.
             raise RequestError("; ".join(problems), ErrorCode.BAD_REQUEST)
@@ -178,6 +203,23 @@ class RequestDecoder:
             return orjson.loads(value)
         except orjson.JSONDecodeError as exc:
             raise RequestError(f"request value is not valid JSON: {exc}", ErrorCode.BAD_REQUEST) from exc
+
+
+def _timestamp(record: Any) -> float | None:
+    timestamp_type, timestamp = record.timestamp()
+    return timestamp if timestamp_type != TIMESTAMP_NOT_AVAILABLE and timestamp > 0 else None
+
+
+def _headers(record: Any, request: Request) -> Headers:
+    """The record's headers. confluent-kafka raises SystemError for a header name that is not UTF-8 (and
+    caches a broken list: the accessor must not be called again on that record)."""
+    try:
+        return record.headers() or []
+    except Exception as exc:
+        request.unroutable = True
+        cause = exc.__cause__ or exc.__context__ or exc
+        raise RequestError(f"the record's headers cannot be read (a header name that is not UTF-8?): {cause!r}",
+                           ErrorCode.BAD_REQUEST) from exc
 
 
 def _has_header(headers: Headers, name: str) -> bool:
@@ -236,10 +278,12 @@ def reply_headers(request: Request, now: float) -> Headers:
 
 
 def reply_value(request: Request) -> bytes:
+    if request.reply_value is None and request.error is None:
+        # postprocess sets reply_value on every ok request; if that ever fails, the caller still gets an answer.
+        request.fail(RequestError("the request finished without a result", ErrorCode.INTERNAL_ERROR))
     if request.error is not None:
         return encode_error(request.error.code, request.error.message)
-    assert request.reply_value is not None, "postprocess sets reply_value on every ok request"
-    return request.reply_value
+    return request.reply_value  # type: ignore[return-value]
 
 
 def dead_letter_headers(request: Request, error: RequestError, original: bool = True) -> Headers:

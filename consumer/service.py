@@ -1,9 +1,14 @@
 """The service: wires source -> batcher -> stages -> publisher -> commit, and owns their lifecycle.
 
-Start order: the stages first (each inference thread warms the model up), then the publisher, the
-source last, so that nothing is consumed before the model is ready and there is somewhere to send
-replies; stop order follows the data flow: stop consuming, drain in-flight work within the grace
-period, publish and flush, commit, close.
+Start order: the stages first (each inference thread warms the model up), then the publisher, the source last,
+so that nothing is consumed before the model is ready and there is somewhere to send replies.
+
+Stop (SIGTERM) has one deadline, ``shutdown_grace_s`` from the signal, and follows the data flow: stop taking
+records, let in-flight work finish, publish and flush, commit, and leave the group before the deadline so that
+the partitions move to other members at once. A handler that never returns does not hold the shutdown: its
+requests stay uncommitted (served again after a restart), and ``handler.close`` is skipped since its threads
+still run. Keep ``terminationGracePeriodSeconds`` a few seconds above ``shutdown_grace_s`` (deploy/k8s sets
+45 for the default 30).
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ import logging
 import math
 import threading
 import time
-import uuid
 from pathlib import Path
 from types import TracebackType
 
@@ -20,19 +24,23 @@ from confluent_kafka import KafkaException
 
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
-from kinference.consumer.commit import OffsetTracker
+from kinference.consumer.commit import ConsumerCommitter, OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.endpoints import Endpoints
+from kinference.consumer.lag import LagMonitor
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.publisher import Publisher
 from kinference.consumer.request import Request, RequestDecoder
-from kinference.consumer.source import Source
+from kinference.consumer.source import Committer, Source
 from kinference.consumer.stages import Pipeline
-from kinference.consumer.transactions import TransactionalPublisher
+from kinference.consumer.transactions import MemberSlot, TransactionalPublisher
 from kinference.errors import ConfigError
 from kinference.handlers import Handler, HandlerContext, load_handler
 
 log = logging.getLogger(__name__)
+
+_CLOSE_RESERVE_S = 5.0
+"""Of the shutdown deadline, the part kept for flushing replies, committing and leaving the group."""
 
 
 def resolve_device(spec: str) -> str:
@@ -56,10 +64,12 @@ class Service:
         self._model_ready = False
         self._started = False
         self._stopped = threading.Event()
+        self._slot: MemberSlot | None = None
         self.publisher: Publisher | TransactionalPublisher | None = None
         self.batcher: Batcher | None = None
         self.pipeline: Pipeline | None = None
         self.source: Source | None = None
+        self.lag: LagMonitor | None = None
 
     def start(self) -> Service:
         config = self.config
@@ -72,6 +82,8 @@ class Service:
         except BaseException:
             if self.endpoints is not None:
                 self.endpoints.close()
+            if self._slot is not None:
+                self._slot.close()
             raise
 
     def _start(self, config: ServiceConfig) -> Service:
@@ -93,18 +105,22 @@ class Service:
         log.info("handler ready: %s", self.handler.describe())
         self.publisher.start()  # type: ignore[union-attr]
         self.source.start()  # type: ignore[union-attr]
+        self.lag.start()  # type: ignore[union-attr]
         self._started = True
-        log.info("serving %s -> %s (group %s, %s batching, max batch %d, %s)", ",".join(config.request_topics),
-                 config.reply_topic, config.group_id, config.batch_policy, config.max_batch_size, config.delivery)
+        log.info("serving %s -> %s (group %s, %s batching, max batch %d, %s, %s rebalancing)",
+                 ",".join(config.request_topics), config.reply_topic, config.group_id, config.batch_policy,
+                 config.max_batch_size, config.delivery,
+                 "incremental" if config.incremental_rebalancing else "eager")
         return self
 
     def _build(self, config: ServiceConfig) -> None:
-        # Everything in flight fits in the publisher's queue, so the poll thread never blocks on it.
+        # Everything in flight fits in the publisher's queue, so the poll thread never waits on it.
         queue_size = config.max_in_flight + config.max_poll_records
+        committer: Committer
         if config.delivery == "exactly-once":
-            self.publisher = TransactionalPublisher(
+            publisher = TransactionalPublisher(
                 config.producer_config(),
-                config.transactional_id or f"kinference-{config.group_id}-{uuid.uuid4().hex[:12]}",
+                self._transactional_id(config),
                 config.dead_letter_topic,
                 self.tracker,
                 group_metadata=lambda: self.source.group_metadata(),  # type: ignore[union-attr]
@@ -112,6 +128,7 @@ class Service:
                 metrics=self.metrics,
                 commit_interval_s=config.commit_interval_ms / 1000,
             )
+            self.publisher = committer = publisher
         else:
             self.publisher = Publisher(
                 config.producer_config(),
@@ -119,8 +136,10 @@ class Service:
                 on_answered=self.tracker.finish,
                 queue_size=queue_size,
                 metrics=self.metrics,
-                stall_timeout_s=config.producer_stall_timeout_s,
+                delivery_retry_timeout_s=config.delivery_retry_timeout_s,
+                stall_timeout_s=config.stall_timeout_s,
             )
+            committer = ConsumerCommitter(self.tracker, self.metrics, config.commit_interval_ms / 1000)
         self.batcher = Batcher(config.batch_policy, config.max_batch_size, config.max_batch_delay_ms,
                                reject=self._reply_now, max_batch_tokens=config.max_batch_tokens,
                                max_batch_bytes=config.max_batch_bytes, max_queue_ms=config.max_queue_ms,
@@ -141,31 +160,49 @@ class Service:
             observe=self.batcher.observe,
         )
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
-                                 config.max_header_bytes)
-        transaction_commit = self.publisher.commit_now if isinstance(self.publisher, TransactionalPublisher) else None
-        self.source = Source(config, decoder, self.tracker, self._route, self.batcher.discard, self.metrics,
-                             transaction_commit)
+                                 config.max_header_bytes, config.reply_topic_allowed)
+        publisher = self.publisher
+        self.source = Source(config, decoder, self.tracker, self._route, self._reply_now, self.batcher.discard,
+                             committer, in_flight=lambda: self.tracker.in_flight + publisher.held,
+                             metrics=self.metrics)
+        self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
+                              config.group_id, lambda: self.source.rebalance.partitions,  # type: ignore[union-attr]
+                              self.metrics, config.lag_interval_s)
+
+    def _transactional_id(self, config: ServiceConfig) -> str:
+        """Stable per member, so that a restarted member fences its own predecessor at once: the configured id,
+        else one from the group and the static member id, else from the group, host and a per-host slot."""
+        if config.transactional_id is not None:
+            return config.transactional_id
+        instance = config.consumer_config().get("group.instance.id")
+        if instance:
+            return f"kinference-{config.group_id}-{instance}"
+        self._slot = MemberSlot(config.group_id)
+        return self._slot.transactional_id(config.group_id)
 
     def wait_ready(self, timeout_s: float) -> bool:
-        """True once the consumer has its partitions (handler loaded, threads running)."""
-        return self.source is not None and self.source.assigned.wait(timeout_s)
+        """True once the consumer is in the group (handler loaded, threads running)."""
+        return self.source is not None and self.source.rebalance.joined.wait(timeout_s)
 
     def health_checks(self) -> dict[str, bool]:
-        """What ``/healthz`` reports: every thread alive (before start: only that the process is)."""
+        """What ``/healthz`` reports: every thread alive and nothing fatal (before start: only that the process
+        is)."""
         if not self._started:
             return {"process": True}
         return {
             "source": self.source.alive,  # type: ignore[union-attr]
             "stages": self.pipeline.healthy,  # type: ignore[union-attr]
-            "publisher": self.publisher.alive,  # type: ignore[union-attr]
+            "publisher": self.publisher.alive and self.publisher.failure is None,  # type: ignore[union-attr]
         }
 
     def readiness_checks(self) -> dict[str, bool]:
-        """What ``/readyz`` reports."""
+        """What ``/readyz`` reports. A member in the group with no partitions (more members than partitions) is
+        ready: a standby that takes partitions over when another member leaves. A rebalance does not make a
+        member unready: it keeps serving the partitions that do not move."""
         source = self.source
         return {
             "model_loaded": self._model_ready,
-            "partitions_assigned": source is not None and source.assigned.is_set(),
+            "group_joined": source is not None and source.rebalance.joined.is_set(),
             "broker_reachable": source is not None and source.broker_up,
             "healthy": self.healthy,
         }
@@ -174,23 +211,45 @@ class Service:
     def healthy(self) -> bool:
         return self._started and all(self.health_checks().values())
 
+    def problems(self) -> list[str]:
+        """Why the service is not healthy, in words."""
+        reasons = [name for name, ok in self.health_checks().items() if not ok]
+        if self.source is not None and self.source.fatal is not None:
+            reasons.append(f"consumer: {self.source.fatal.str()}")
+        if self.publisher is not None and self.publisher.failure is not None:
+            reasons.append(f"publisher: {self.publisher.failure}")
+        return reasons
+
     def stop(self, grace_s: float | None = None) -> None:
-        """Stop consuming, drain in-flight work within ``grace_s``, flush replies, commit, close."""
+        """Stop consuming, drain in-flight work, flush replies, commit and leave the group, all within
+        ``grace_s`` (default ``shutdown_grace_s``)."""
         if not self._started or self._stopped.is_set():
             return
         self._stopped.set()
         grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace_s
-        assert self.source and self.pipeline and self.publisher and self.batcher
-        self.source.drain()
-        if not self.tracker.wait_idle(grace_s):
-            log.warning("shutdown grace of %.1f s ran out with %d requests in flight; they stay "
-                        "uncommitted and are served again after restart", grace_s, self.tracker.in_flight)
-        self.batcher.close()
-        self.pipeline.stop(_remaining(deadline, 5.0))
-        self.publisher.stop(_remaining(deadline, 5.0))
-        self.source.close(_remaining(deadline, 10.0))
-        self.handler.close()
+        reserve_s = min(_CLOSE_RESERVE_S, grace_s / 3)
+        source, pipeline, publisher, batcher, lag = self.source, self.pipeline, self.publisher, self.batcher, self.lag
+        if source is None or pipeline is None or publisher is None or batcher is None or lag is None:
+            return  # unreachable once started; spelled out for the type checker
+        source.drain()
+        if not self.tracker.wait_idle(max(0.0, deadline - reserve_s - time.monotonic())):
+            log.warning("shutdown: %d requests still in flight; they stay uncommitted and are served again after a "
+                        "restart", self.tracker.in_flight)
+        batcher.close()
+        # Idle stages stop within a poll interval; busy ones get what is left of the drain time, and a quarter of
+        # the reserve. Then the publisher flushes, and the source commits and leaves the group.
+        stages_stopped = pipeline.stop(max(0.0, deadline - reserve_s - time.monotonic()) + reserve_s / 4)
+        publisher.stop(max(0.0, deadline - reserve_s / 2 - time.monotonic()))
+        source.close(deadline)
+        lag.stop()
+        if stages_stopped:
+            self.handler.close()
+        else:
+            log.warning("shutdown: a stage thread is still busy (a handler call that does not return); "
+                        "handler.close() is skipped")
+        if self._slot is not None:
+            self._slot.close()
         if self.endpoints is not None:
             self.endpoints.close()
         log.info("stopped")
@@ -217,8 +276,3 @@ class Service:
 
 def _path(model: Path | None) -> Path | None:
     return Path(model).expanduser() if model is not None else None
-
-
-def _remaining(deadline: float, floor_s: float) -> float:
-    """Time left of the grace period, but never less than ``floor_s`` for the final flush/commit."""
-    return max(floor_s, deadline - time.monotonic())

@@ -1,33 +1,53 @@
 """The source: the poll thread that owns the Kafka consumer.
 
-It alone calls the consumer (librdkafka consumers are not to be shared across threads): it polls
-records, decodes them into ``Request`` values, registers them with the commit tracker and routes
-them on; it pauses partitions when too much is in flight and resumes them below the low-water mark;
-it commits on an interval, on partition revoke and on close. Because this thread never runs the
-model, a slow model can never make the consumer miss ``max.poll.interval.ms``.
+It alone calls the consumer (a librdkafka consumer is not to be shared across threads). Each turn of its loop:
+
+1. fetch what is ready (``_fetch``);
+2. take in each record (``_intake``): track it with the commit tracker before anything that can fail, decode
+   it (a record that cannot be read becomes a dead letter, never an exception), and route it on; whatever a
+   record does, the loop goes on with the next one;
+3. commit what is answered (``commit.ConsumerCommitter``, or nothing here in exactly-once, where offsets go
+   into transactions);
+4. pause or resume the partitions for flow control (``flow``).
+
+Rebalances run inside ``consume()`` (``rebalance``). Because this thread never runs the model, a slow model
+can never make the consumer miss ``max.poll.interval.ms``. A fatal consumer error (for example
+``FENCED_INSTANCE_ID`` with static membership) ends the loop: ``fatal`` is set and the service exits non-zero.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from kinference.consumer.commit import OffsetTracker, PartitionKey
+from kinference.consumer.commit import OffsetTracker, PartitionKey, PartitionLedger
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.flow import FlowControl
+from kinference.consumer.logs import about
 from kinference.consumer.metrics import Metrics
+from kinference.consumer.rebalance import Rebalance
 from kinference.consumer.request import Request, RequestDecoder
+from kinference.errors import RequestError
+from kinference.protocol import ErrorCode
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _ERROR_BACKOFF_S = 0.5
+
+
+class Committer(Protocol):
+    """How answered offsets are committed: ``commit.ConsumerCommitter`` or the transactional publisher."""
+
+    def maybe_commit(self, consumer: Any, now: float) -> None: ...
+
+    def commit(self, consumer: Any, partitions: list[PartitionKey] | None = None) -> None: ...
 
 
 class Source:
@@ -37,90 +57,87 @@ class Source:
         decoder: RequestDecoder,
         tracker: OffsetTracker,
         route: Callable[[Request], None],
+        reject: Callable[[Request], None],
         discard: Callable[[list[PartitionKey]], list[Request]],
+        committer: Committer,
+        in_flight: Callable[[], int],
         metrics: Metrics,
-        transaction_commit: Callable[[float], bool] | None = None,
         consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
     ) -> None:
-        """``route`` takes every decoded request; ``discard`` removes the not-yet-started requests of
-        partitions being revoked (the batcher's waiting room). With ``transaction_commit``
-        (exactly-once) offsets are committed by the publisher's transactions, never by the consumer:
-        on revoke and close the source asks for one and waits for it."""
+        """``route`` takes every decoded request on to admission and batching; ``reject`` answers a request at
+        once (an error reply); ``discard`` removes the not-yet-started requests of partitions being revoked (the
+        batcher's waiting room); ``in_flight`` is what flow control bounds."""
         self._config = config
         self._decoder = decoder
         self._tracker = tracker
         self._route = route
-        self._discard = discard
-        self._metrics = metrics
-        self._transaction_commit = transaction_commit
-        self._consumer = consumer_factory(
-            {**config.consumer_config(), "error_cb": self._on_client_error, "stats_cb": self._on_stats}
-        )
+        self._reject = reject
+        self._committer = committer
+        self._in_flight = in_flight
+        self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics)
+        self.rebalance = Rebalance(tracker, self._flow, discard, committer.commit, metrics,
+                                   incremental=config.incremental_rebalancing,
+                                   drain_s=config.rebalance_drain_ms / 1000)
+        callbacks: dict[str, Any] = {"error_cb": self._on_client_error, "stats_cb": self._on_stats}
+        if hasattr(committer, "on_commit"):
+            callbacks["on_commit"] = committer.on_commit
+        self._consumer = consumer_factory({**config.consumer_config(), **callbacks})
         self._thread = threading.Thread(target=self._run, name="kinference-source", daemon=True)
-        self._draining = threading.Event()
         self._closing = threading.Event()
-        self.assigned = threading.Event()
-        self.paused = False
         self.broker_up = False
         """Some broker connection is up (librdkafka statistics; also set by a successful assignment)."""
-        self._group_metadata: Any = None
-        self._next_commit = 0.0
+        self.fatal: KafkaError | None = None
 
     def start(self) -> None:
-        self._consumer.subscribe(
-            list(self._config.request_topics),
-            on_assign=self._on_assign,
-            on_revoke=self._on_revoke,
-            on_lost=self._on_lost,
-        )
+        self._consumer.subscribe(list(self._config.request_topics), on_assign=self._on_assign,
+                                 on_revoke=self.rebalance.on_revoke, on_lost=self.rebalance.on_lost)
         self._thread.start()
 
     def drain(self) -> None:
         """Stop taking new records (partitions pause) but keep the group membership and commits."""
-        self._draining.set()
+        self._flow.draining = True
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Commit what is answered, leave the group and close the consumer."""
+    def close(self, deadline: float) -> None:
+        """Commit what is answered, leave the group and close the consumer, by ``deadline`` (monotonic)."""
+        self.rebalance.drain_until = deadline
         self._closing.set()
-        self._thread.join(timeout_s)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.fatal is None
+
+    @property
+    def paused(self) -> bool:
+        return self._flow.paused
+
+    def group_metadata(self) -> Any:
+        return self.rebalance.group_metadata
+
+    # --- the poll thread
 
     def _run(self) -> None:
         try:
-            while not self._closing.is_set():
+            while not self._closing.is_set() and self.fatal is None:
                 try:
                     self._poll_once()
                 except KafkaException as exc:
-                    log.error("consumer error: %s", exc)
+                    self._on_client_error(exc.args[0])
                     time.sleep(_ERROR_BACKOFF_S)
                 except Exception:
                     log.exception("poll loop error; continuing")
                     time.sleep(_ERROR_BACKOFF_S)
         finally:
-            self._commit(final=True)
-            self._consumer.close()
+            if self.fatal is None:
+                self._committer.commit(self._consumer)
+            self._consumer.close()  # leaves the group: the partitions move to other members at once
             log.info("consumer closed")
 
     def _poll_once(self) -> None:
         records = self._fetch()
-        received = time.monotonic()
-        for record in records:
-            if record.error() is not None:
-                self._on_record_error(record.error())
-                continue
-            request = self._decoder.decode(record, received)
-            if self._tracker.track(request):
-                self._route(request)
-            else:
-                log.debug("dropped %s/%d/%d: partition not owned, or already consumed", request.topic,
-                          request.partition, request.offset)
-        self._flow_control()
-        if time.monotonic() >= self._next_commit:
-            self._commit()
-            self._update_lag()
+        self._intake(records)
+        self._committer.maybe_commit(self._consumer, time.monotonic())
+        self._flow.update(self._consumer, self._in_flight())
 
     def _fetch(self) -> list[Any]:
         """Whatever is ready, up to ``max_poll_records``, without waiting for a full set: ``consume(n, t)``
@@ -135,118 +152,67 @@ class Source:
             return []
         return [first, *self._consumer.consume(limit - 1, 0)] if limit > 1 else [first]
 
-    def _flow_control(self) -> None:
-        in_flight = self._tracker.in_flight
-        self._metrics.in_flight.set(in_flight)
-        if not self.paused and (self._draining.is_set() or in_flight >= self._config.max_in_flight):
-            assignment = self._consumer.assignment()
-            self._consumer.pause(assignment)
-            self.paused = True
-            self._metrics.paused_partitions.set(len(assignment))
-            log.debug("paused: %d in flight", in_flight)
-        elif self.paused and not self._draining.is_set() and in_flight <= self._config.resume_threshold:
-            assignment = self._consumer.assignment()
-            self._consumer.resume(assignment)
-            # librdkafka notices a resume only at its next fetch-loop wake-up (about 1 s later); a seek
-            # to the position the application has consumed up to starts the fetch at once, and refetches
-            # exactly what pause() discarded.
-            for tp in self._consumer.position(assignment):
-                if tp.offset >= 0:
-                    self._consumer.seek(tp)
-            self.paused = False
-            self._metrics.paused_partitions.set(0)
-            log.debug("resumed: %d in flight", in_flight)
+    def _intake(self, records: list[Any]) -> None:
+        received = time.monotonic()
+        next_offsets: dict[PartitionKey, int] = {}
+        for record in records:
+            error = record.error()
+            if error is not None:
+                self._on_record_error(error)
+                continue
+            key, offset = (record.topic(), record.partition()), record.offset()
+            ledger = self._tracker.track(key, offset)
+            if ledger is None:
+                log.debug("dropped %s[%d] offset %d: partition not owned, or already consumed", *key, offset)
+                continue
+            next_offsets[key] = offset + 1
+            self._take(record, ledger, received)
+        if next_offsets:
+            self._check_positions(next_offsets)
 
-    def group_metadata(self) -> Any:
-        """The consumer's group generation at the last assignment, for ``send_offsets_to_transaction``
-        (zombie fencing). Cached by the poll thread: asking the consumer from another thread blocks
-        while the poll thread is inside the consumer."""
-        return self._group_metadata
-
-    def _commit(self, partitions: list[PartitionKey] | None = None, final: bool = False) -> None:
-        self._next_commit = time.monotonic() + self._config.commit_interval_ms / 1000
-        if self._transaction_commit is not None:
-            if final:
-                self._transaction_commit(self._config.rebalance_drain_ms / 1000)
-            return
-        offsets = self._tracker.commit_offsets(partitions)
-        if not offsets:
-            return
+    def _take(self, record: Any, ledger: PartitionLedger, received: float) -> None:
+        """Decode and route one tracked record. Nothing it does may leave the loop: the records after it in this
+        batch must still be tracked."""
+        request = self._decoder.decode(record, received)  # never raises: a bad record is a request with an error
+        request.ledger = ledger
         try:
-            self._consumer.commit(offsets=offsets, asynchronous=False)
-        except KafkaException as exc:
-            # Nothing is lost: the same offsets (or later ones) are committed next time.
-            self._metrics.commit_failures.inc()
-            log.warning("commit of %d partitions failed: %s", len(offsets), exc)
-            return
-        self._metrics.commits.inc()
-        self._tracker.committed(offsets)
+            self._route(request)
+        except Exception as exc:  # a bug: the record is tracked, so it must still be answered
+            log.exception("routing a request failed; it gets an internal_error reply", extra=about(request))
+            request.fail(RequestError(f"kinference could not route the request: {exc!r}", ErrorCode.INTERNAL_ERROR))
+            try:
+                self._reject(request)
+            except Exception:
+                log.critical("the request cannot be answered; it stays in flight and its partition is not "
+                             "committed past it", exc_info=True, extra=about(request))
 
-    def _update_lag(self) -> None:
-        """Lag from the consumer's own state: no extra broker request (watermarks come with fetches)."""
-        for tp in self._consumer.position(self._consumer.assignment()):
-            if tp.offset < 0:
-                continue  # nothing consumed from it yet: position unknown
-            _low, high = self._consumer.get_watermark_offsets(tp, cached=True)
-            if high >= 0:
-                self._metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(0, high - tp.offset))
+    def _check_positions(self, next_offsets: dict[PartitionKey, int]) -> None:
+        """Every record the consumer handed over was tracked: its position is right after the last one."""
+        for tp in self._consumer.position([TopicPartition(topic, partition) for topic, partition in next_offsets]):
+            if tp.offset >= 0 and tp.offset != next_offsets[(tp.topic, tp.partition)]:
+                self._tracker.check_position((tp.topic, tp.partition), tp.offset)
 
     def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
-        keys = [(tp.topic, tp.partition) for tp in partitions]
-        self._tracker.assign(keys)
-        consumer.assign(partitions)
-        self._group_metadata = consumer.consumer_group_metadata()
-        if self.paused:
-            consumer.pause(partitions)
-            self._metrics.paused_partitions.set(len(partitions))
-        self._metrics.assigned_partitions.set(len(partitions))
         self.broker_up = True
-        log.info("assigned %s", _names(keys))
-        self.assigned.set()
-
-    def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
-        """Hand revoked partitions over cleanly: drop what has not started (the next owner serves
-        it), give started work a bounded time to be answered, commit, then forget the partitions."""
-        keys = [(tp.topic, tp.partition) for tp in partitions]
-        self._tracker.abandon(self._discard(keys))
-        if not self._tracker.wait_idle(self._config.rebalance_drain_ms / 1000, keys):
-            log.warning("revoke: in-flight requests of %s not answered within %d ms; "
-                        "the next owner may answer them again", _names(keys), self._config.rebalance_drain_ms)
-        self._commit(keys, final=True)
-        self._forget(keys)
-        log.info("revoked %s", _names(keys))
-
-    def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
-        """Partitions taken away without a clean revoke: another member owns them already, so
-        committing would be wrong. Drop everything that has not started."""
-        keys = [(tp.topic, tp.partition) for tp in partitions]
-        self._discard(keys)
-        self._forget(keys)
-        log.warning("lost %s", _names(keys))
-
-    def _forget(self, keys: list[PartitionKey]) -> None:
-        self._tracker.revoke(keys)
-        self.assigned.clear()
-        self._metrics.assigned_partitions.set(0)
-        self._metrics.paused_partitions.set(0)
-        for topic, partition in keys:
-            with contextlib.suppress(KeyError):  # a partition never measured has no series
-                self._metrics.consumer_lag.remove(topic, str(partition))
+        self.rebalance.on_assign(consumer, partitions)
 
     def _on_record_error(self, error: KafkaError) -> None:
         if error.code() == KafkaError._PARTITION_EOF:
+            return
+        if error.fatal():
+            self._on_client_error(error)
             return
         log.error("consume error: %s", error)
 
     def _on_client_error(self, error: KafkaError) -> None:
         if error.code() == KafkaError._ALL_BROKERS_DOWN:
             self.broker_up = False
-        log.log(logging.CRITICAL if error.fatal() else logging.WARNING, "consumer: %s", error)
+        if error.fatal():
+            self.fatal = error
+            log.critical("consumer fatal error: %s; stopping", error)
+            return
+        log.warning("consumer: %s", error)
 
     def _on_stats(self, stats_json: str) -> None:
         brokers = orjson.loads(stats_json).get("brokers", {})
         self.broker_up = any(broker.get("state") == "UP" for broker in brokers.values())
-
-
-def _names(keys: list[PartitionKey]) -> str:
-    return ", ".join(f"{topic}[{partition}]" for topic, partition in keys) or "nothing"

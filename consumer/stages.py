@@ -34,6 +34,11 @@ _STOP = object()
 _POLL_S = 0.1
 
 
+class Abandoned(Exception):
+    """The shutdown deadline passed while a stage waited to hand work on: the work is left unanswered (its
+    offsets stay uncommitted and it is served again after a restart)."""
+
+
 def finite(value: Any) -> bool:
     """No NaN or infinity anywhere in a result (floats, numpy arrays, nested lists and dicts)."""
     if isinstance(value, float):
@@ -101,9 +106,12 @@ class StagePool:
         threads: int,
         inbox_size: int,
         metrics: Metrics,
+        abandon: threading.Event,
         prepare: Callable[[], None] | None = None,
     ) -> None:
+        """``abandon`` is set when the shutdown deadline passed: a full inbox then stops waiting."""
         self.name = name
+        self._abandon = abandon
         self._seconds = metrics.stage_seconds.labels(name)
         self.inbox: queue.Queue[Any] = queue.Queue(maxsize=inbox_size)
         self._work = work
@@ -124,13 +132,27 @@ class StagePool:
         if self._prepare_errors:
             raise self._prepare_errors[0]
 
-    def stop(self, timeout_s: float) -> None:
-        """Let queued work finish, then end the threads (one sentinel each, behind the work)."""
+    def put(self, micro_batch: MicroBatch) -> None:
+        """Hand a micro-batch to this pool; waits while its inbox is full, but not past the shutdown deadline."""
+        while True:
+            try:
+                self.inbox.put(micro_batch, timeout=_POLL_S)
+                return
+            except queue.Full:
+                if self._abandon.is_set():
+                    raise Abandoned(f"{self.name} did not take a micro-batch before the shutdown deadline") from None
+
+    def stop(self, deadline: float) -> bool:
+        """Let queued work finish, then end the threads (one sentinel each, behind the work), by ``deadline``
+        (``time.monotonic()``). False when a thread is still busy then."""
         for _ in self._threads:
-            self.inbox.put(_STOP)
-        deadline = time.monotonic() + timeout_s
+            try:
+                self.inbox.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Full:
+                break
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
 
     @property
     def alive(self) -> bool:
@@ -148,6 +170,8 @@ class StagePool:
         try:
             while (micro_batch := self.inbox.get()) is not _STOP:
                 self._process(micro_batch)
+        except Abandoned:
+            return
         except BaseException as exc:  # a stage thread must never die silently
             self.crashed.append(f"{threading.current_thread().name}: {exc!r}")
             log.critical("stage thread %s died", threading.current_thread().name, exc_info=True)
@@ -163,7 +187,13 @@ class StagePool:
             log.warning("%s failed for a micro-batch of %d requests: %r", self.name, len(micro_batch.active), exc,
                         exc_info=log.isEnabledFor(logging.DEBUG), extra=about(micro_batch.requests[0]))
             micro_batch.fail_active(RequestError(f"{self.name} failed: {exc!r}", ErrorCode.HANDLER_ERROR))
-        self._forward(micro_batch)
+        try:
+            self._forward(micro_batch)
+        except Abandoned:
+            raise
+        except Exception:  # the publisher is down: these requests stay unanswered, and the service is unhealthy
+            log.critical("%s could not hand on a micro-batch of %d requests", self.name, len(micro_batch.requests),
+                         exc_info=True, extra=about(micro_batch.requests[0]))
 
 
 class Pipeline:
@@ -194,16 +224,18 @@ class Pipeline:
         parts_per_batch = -(-max_batch_size // self._micro)
         # A slot admits one batch, so at most this many micro-batches wait in any one stage queue.
         depth = inference_threads * parts_per_batch + postprocess_threads
+        self._stopping = threading.Event()
+        self._abandon = threading.Event()
+        self._warm_up_lock = threading.Lock()
         self._post = StagePool("postprocess", self._postprocess, self._emit_micro_batch,
-                               postprocess_threads, depth, metrics)
+                               postprocess_threads, depth, metrics, self._abandon)
         # Each inference thread warms the model up itself: torch keeps a thread pool per calling thread, and
         # a model first run on another thread (measured: the one that called setup) runs 30-50% slower here.
         self._infer = StagePool("inference", self._inference, self._to_postprocess, inference_threads, depth,
-                                metrics, prepare=handler.warm_up)
-        self._pre = StagePool("preprocess", self._preprocess, self._infer.inbox.put, preprocess_threads, depth,
-                              metrics)
+                                metrics, self._abandon, prepare=self._warm_up)
+        self._pre = StagePool("preprocess", self._preprocess, self._infer.put, preprocess_threads, depth,
+                              metrics, self._abandon)
         self._pools = (self._pre, self._infer, self._post)
-        self._stopping = threading.Event()
         self._dispatcher = threading.Thread(target=self._dispatch, name="kinference-dispatch", daemon=True)
 
     def start(self) -> None:
@@ -216,17 +248,26 @@ class Pipeline:
                 started.append(pool)
         except BaseException:
             for pool in started:
-                pool.stop(5.0)
+                pool.stop(time.monotonic() + 5.0)
             raise
         self._dispatcher.start()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop taking batches; finish those already taken (within ``timeout_s``)."""
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop taking batches; finish those already taken within ``timeout_s``. False when a stage thread is
+        still busy then (a handler call that does not return): it is left running, and its work unanswered."""
         self._stopping.set()
         deadline = time.monotonic() + timeout_s
         self._dispatcher.join(timeout_s)
-        for pool in self._pools:
-            pool.stop(max(0.0, deadline - time.monotonic()))
+        stopped = [pool.stop(deadline) for pool in self._pools]
+        if all(stopped) and not self._dispatcher.is_alive():
+            return True
+        self._abandon.set()
+        return False
+
+    def _warm_up(self) -> None:
+        # One thread at a time: compiling the same model from several threads at once is not safe in torch.
+        with self._warm_up_lock:
+            self._handler.warm_up()
 
     @property
     def healthy(self) -> bool:
@@ -247,8 +288,11 @@ class Pipeline:
             self._metrics.batch_size.observe(len(batch))
             parts = [batch[i : i + self._micro] for i in range(0, len(batch), self._micro)]
             ticket = BatchTicket(len(parts), self._slots.release)
-            for part in parts:
-                self._pre.inbox.put(MicroBatch(part, ticket, active=[request for request in part if request.ok]))
+            try:
+                for part in parts:
+                    self._pre.put(MicroBatch(part, ticket, active=[request for request in part if request.ok]))
+            except Abandoned:
+                return
 
     def _preprocess(self, micro_batch: MicroBatch) -> None:
         micro_batch.items = [request.item for request in micro_batch.active]
@@ -271,7 +315,7 @@ class Pipeline:
         self._observe(micro_batch.work, elapsed)
 
     def _to_postprocess(self, micro_batch: MicroBatch) -> None:
-        self._post.inbox.put(micro_batch)
+        self._post.put(micro_batch)
         micro_batch.ticket.part_done()
 
     def _postprocess(self, micro_batch: MicroBatch) -> None:

@@ -49,6 +49,9 @@ class ErrorCode(StrEnum):
     """Shed unanswered: the request was older than ``max_queue_ms`` when the service got to it."""
     HANDLER_ERROR = "handler_error"
     """The handler raised, or returned outputs that do not match its inputs."""
+    REPLY_TOPIC_NOT_ALLOWED = "reply_topic_not_allowed"
+    """The request named a reply topic outside the service's allow-list; the error reply goes to the default
+    reply topic instead."""
     INTERNAL_ERROR = "internal_error"
     """A fault in kinference itself; the message says what failed."""
 

@@ -52,7 +52,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kinference.consumer.broker import EmbeddedBroker
+from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.service import Service, resolve_device
 from kinference.consumer.topics import create_topics
@@ -125,7 +125,8 @@ def default_setting(settings: Sequence[KinferenceSetting] = KINFERENCE_SETTINGS)
     return matches[0]
 
 
-_SERVE_KAFKA = {key: TRANSPORT_CONSUMER[key] for key in ("session.timeout.ms", "heartbeat.interval.ms")}
+_SERVE_KAFKA = {key: TRANSPORT_CONSUMER[key] for key in ("session.timeout.ms", "heartbeat.interval.ms",
+                                                          "fetch.wait.max.ms")}
 _READY_TIMEOUT_S = 60.0
 
 
@@ -286,8 +287,8 @@ class Bench:
         rows = []
         self._step(f"{scenario.name}: starting its process")
         with (contender(scenario, self.bootstrap_servers, topics),
-              Client(self.bootstrap_servers, topics["requests"], topics["replies"],
-                           timeout_s=options.timeout_s) as client):
+              Client(self.bootstrap_servers, topics["requests"], topics["replies"], timeout_s=options.timeout_s,
+                     reply_consumer=LOW_LATENCY_CONSUMER) as client):
             for corpus, values in payloads.items():
                 self._step(f"{scenario.name} on the {corpus} corpus, concurrency {list(options.concurrency)}")
                 with ProgressView(self.console, enabled=options.progress) as view:

@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     console = Console()
     client = Client(args.bootstrap_servers, args.request_topic, args.reply_topic,
-                          reply_partition=args.reply_partition, timeout_s=plan.timeout_s, kafka=kafka)
+                    reply_partition=args.reply_partition, timeout_s=plan.timeout_s, kafka=kafka)
     try:
         with client:
             execute(client, plan, payloads, console, sweep=args.sweep_concurrency, out=args.out,

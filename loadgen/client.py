@@ -51,8 +51,9 @@ _PRODUCER_DEFAULTS = {"linger.ms": "1", "acks": "all"}
 _CONSUMER_DEFAULTS = {
     "enable.auto.commit": "false",
     "enable.partition.eof": "false",
-    # Tansu answers a fetch only after fetch.wait.max.ms: keep it low, it is reply latency.
-    "fetch.wait.max.ms": "10",
+    # Replies of an exactly-once service are visible only once their transaction commits; librdkafka's default,
+    # spelled out because reading uncommitted replies would break that mode's promise.
+    "isolation.level": "read_committed",
     "fetch.queue.backoff.ms": "10",
 }
 
@@ -63,7 +64,9 @@ class Client:
     ``timeout_s`` is the default per-request timeout; with ``propagate_deadline`` the request also
     carries it as ``kinference-deadline-ms`` so the service skips work its caller no longer waits for.
     At most ``max_pending`` requests await replies at once: beyond that ``send`` waits for room
-    (within the request's timeout) and then raises ``TooManyPending``.
+    (within the request's timeout) and then raises ``TooManyPending``. ``kafka`` goes to the client's
+    producer and consumer (security, SASL), ``reply_consumer`` to its consumer only (on the embedded broker:
+    ``fetch.wait.max.ms=10``, see ``kinference.consumer.broker.LOW_LATENCY_CONSUMER``).
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class Client:
         recent_capacity: int = 100_000,
         propagate_deadline: bool = True,
         kafka: Mapping[str, str] | None = None,
+        reply_consumer: Mapping[str, str] | None = None,
         metadata_timeout_s: float = 10.0,
     ) -> None:
         if timeout_s <= 0:
@@ -91,6 +95,7 @@ class Client:
         self.propagate_deadline = propagate_deadline
         self._bootstrap_servers = bootstrap_servers
         self._kafka = dict(kafka or {})
+        self._reply_consumer = dict(reply_consumer or {})
         self._metadata_timeout_s = metadata_timeout_s
         self._pending = PendingTable(max_pending, recent_capacity)
         self._producer: Producer | None = None
@@ -106,7 +111,7 @@ class Client:
         if self._reader is not None:
             raise ClientError("client already started")
         common = {"bootstrap.servers": self._bootstrap_servers, **self._kafka}
-        self._consumer = Consumer({**_CONSUMER_DEFAULTS, **common,
+        self._consumer = Consumer({**_CONSUMER_DEFAULTS, **common, **self._reply_consumer,
                                    # Required by librdkafka; never joined: the client only assigns.
                                    "group.id": f"kinference-client-{uuid.uuid4().hex}"})
         try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kinference.consumer.broker import EmbeddedBroker
+from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.service import Service
 from kinference.consumer.topics import create_topics
@@ -22,7 +22,8 @@ from kinference.loadgen.runner import LoadPlan
 
 _TOPICS = {"kinference-requests": 4, "kinference-replies": 4, "kinference-dead-letters": 1}
 # Tansu holds a group join for about session.timeout.ms / 2: a short session keeps start-up quick.
-_DEMO_KAFKA = {"session.timeout.ms": "6000", "heartbeat.interval.ms": "2000"}
+# A quick join on the embedded broker (Tansu holds a join for ~session.timeout.ms / 2), and its low-latency fetch.
+_DEMO_CONSUMER = {"session.timeout.ms": "6000", "heartbeat.interval.ms": "2000", **LOW_LATENCY_CONSUMER}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +76,8 @@ def _run(args: argparse.Namespace, output_dir: Path, console: Console, began: fl
         config = ServiceConfig(
             bootstrap_servers=broker.bootstrap_servers, request_topics=["kinference-requests"],
             reply_topic="kinference-replies", dead_letter_topic="kinference-dead-letters", group_id="kinference-demo",
-            handler=args.handler, model=args.model, max_batch_size=args.max_batch_size, kafka=_DEMO_KAFKA,
+            handler=args.handler, model=args.model, max_batch_size=args.max_batch_size,
+            kafka_consumer=_DEMO_CONSUMER,
             # Loopback and any free port: the demo must not clash with a service already on 9400.
             metrics_host="127.0.0.1", metrics=True, metrics_port=0,
         )
@@ -88,7 +90,7 @@ def _run(args: argparse.Namespace, output_dir: Path, console: Console, began: fl
             plan = LoadPlan(concurrency=sweep[0], duration_s=args.duration, warmup_s=args.warmup)
             label = f"{args.handler}, max batch {args.max_batch_size}, {args.corpus} texts"
             with Client(broker.bootstrap_servers, "kinference-requests", "kinference-replies",
-                              timeout_s=plan.timeout_s) as client:
+                        timeout_s=plan.timeout_s, reply_consumer=LOW_LATENCY_CONSUMER) as client:
                 step(f"sweeping concurrency {sweep}: {args.warmup:g} s warm-up + {args.duration:g} s each")
                 execute(client, plan, builtin_corpus(args.corpus), console, sweep=sweep, out=output_dir / "sweep.json",
                         plot=output_dir / "sweep.png", label=label, progress=not args.no_progress)

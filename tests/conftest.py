@@ -19,13 +19,15 @@ import yaml
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from kinference.consumer.broker import EmbeddedBroker, free_port
+from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker, free_port
 from kinference.consumer.topics import create_topics
 
-# Settings that keep tests fast on any broker: Tansu holds a group join for ~session.timeout.ms / 2.
+# Consumer settings that keep tests fast on any broker: Tansu holds a group join for ~session.timeout.ms / 2,
+# and answers a fetch only after fetch.wait.max.ms (consumer.broker.LOW_LATENCY_CONSUMER).
 TEST_CONSUMER_PROPERTIES = {
     "session.timeout.ms": "6000",
     "heartbeat.interval.ms": "2000",
+    **LOW_LATENCY_CONSUMER,
 }
 
 

@@ -39,6 +39,7 @@ import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, TopicPartition
 
 from kinference import protocol
+from kinference.consumer.broker import LOW_LATENCY_CONSUMER
 from kinference.loadgen.client import Client
 from kinference.loadgen.errors import RequestTimeout
 from kinference.loadgen.reply import Reply
@@ -49,6 +50,7 @@ REPO = Path(__file__).resolve().parents[2]
 HANDLER = "tests.faults.handlers:TaggedEcho"
 _EVENT = re.compile(r"^(assigned|revoked|lost) ")
 _PARTITION = re.compile(r"\[(\d+)\]")
+_DROPPED = re.compile(r"^revoked .*\((\d+) waiting requests left to the next owner\)")
 _TICK_S = 0.05
 
 
@@ -83,6 +85,10 @@ class Settings:
     heartbeat_interval_ms: int = int(TEST_CONSUMER_PROPERTIES["heartbeat.interval.ms"])
     extra: tuple[str, ...] = ()
     broker_kind: str = "tansu"
+    assignor: str | None = None
+    """The classic protocol's assignor; None: kinference's default (cooperative-sticky)."""
+    group_protocol: str = "classic"
+    """``consumer``: KIP-848's protocol, where session and heartbeat settings belong to the broker."""
 
     @property
     def window(self) -> int:
@@ -106,9 +112,15 @@ class Settings:
             "--max-in-flight", str(self.max_in_flight),
             "--max-poll-records", str(self.max_poll_records),
             "--commit-interval-ms", str(self.commit_interval_ms),
-            "--kafka", f"session.timeout.ms={self.session_timeout_ms}",
-            "--kafka", f"heartbeat.interval.ms={self.heartbeat_interval_ms}",
+            *[arg for key, value in LOW_LATENCY_CONSUMER.items() for arg in ("--kafka-consumer", f"{key}={value}")],
         ]
+        if self.group_protocol == "classic":
+            args += ["--kafka-consumer", f"session.timeout.ms={self.session_timeout_ms}",
+                     "--kafka-consumer", f"heartbeat.interval.ms={self.heartbeat_interval_ms}"]
+        else:
+            args += ["--kafka-consumer", f"group.protocol={self.group_protocol}"]
+        if self.assignor is not None:
+            args += ["--kafka-consumer", f"partition.assignment.strategy={self.assignor}"]
         return [*args, *self.extra]
 
 
@@ -151,11 +163,20 @@ class Member:
 
     @property
     def owned(self) -> frozenset[int] | None:
-        """Partitions of the last assignment; ``None`` while the member holds none (or is between
-        a revoke and the next assignment)."""
+        """The partitions the member holds now; ``None`` before its first assignment. Eager protocols revoke
+        everything and assign the new set; incremental ones (cooperative-sticky, KIP-848) assign and revoke
+        only what moves, so the events are folded."""
         with self._lock:
-            last = self.events[-1] if self.events else None
-        return last.partitions if last is not None and last.kind == "assigned" else None
+            events = list(self.events)
+        if not any(event.kind == "assigned" for event in events):
+            return None
+        held: set[int] = set()
+        for event in events:
+            if event.kind == "assigned":
+                held |= event.partitions
+            else:
+                held -= event.partitions
+        return frozenset(held)
 
     @property
     def log(self) -> str:
@@ -163,6 +184,11 @@ class Member:
 
     def count(self, kind: str) -> int:
         return sum(event.kind == kind for event in self.events)
+
+    def dropped(self) -> int:
+        """Waiting requests this member left to the next owners at its revokes (work a rebalance cost)."""
+        return sum(int(match.group(1)) for message in self.messages
+                   if (match := _DROPPED.search(message.get("message", ""))))
 
     def said(self, fragment: str) -> bool:
         return any(fragment in message.get("message", "") for message in self.messages)
@@ -212,10 +238,11 @@ class Group:
         return [member for member in self.members if member.running]
 
     def stable(self) -> bool:
-        """Every live member has an assignment and together they own each partition exactly once."""
+        """Every live member holds partitions (these tests never run more members than partitions) and together
+        they own each partition exactly once."""
         live = self.live
         owned = [member.owned for member in live]
-        if not live or any(partitions is None for partitions in owned):
+        if not live or any(not partitions for partitions in owned):
             return False
         flat = [p for partitions in owned for p in partitions]  # type: ignore[union-attr]
         return sorted(flat) == list(range(self.settings.partitions))
@@ -336,7 +363,7 @@ def client_for(settings: Settings) -> AuditedClient:
     """A client on reply partition 0 with a timeout well past any recovery in these tests (a
     SIGKILLed member's partitions wait ~6 s for its session to expire, then ~3 s for the join)."""
     return AuditedClient(settings.bootstrap, settings.topics["requests"], settings.topics["replies"],
-                         reply_partition=0, timeout_s=45.0, max_pending=20_000)
+                         reply_partition=0, timeout_s=45.0, max_pending=20_000, reply_consumer=LOW_LATENCY_CONSUMER)
 
 
 @dataclass

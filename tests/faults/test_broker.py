@@ -30,7 +30,8 @@ TOPICS = {"requests": 3, "replies": 1, "dead": 1}
 
 def config_for(bootstrap: str, group: str, **overrides) -> ServiceConfig:
     return ServiceConfig(bootstrap_servers=bootstrap, request_topics=["requests"], reply_topic="replies",
-                         dead_letter_topic="dead", group_id=group, handler="echo", kafka=TEST_CONSUMER_PROPERTIES,
+                         dead_letter_topic="dead", group_id=group, handler="echo",
+                         kafka_consumer=TEST_CONSUMER_PROPERTIES,
                          commit_interval_ms=200, metrics_host="127.0.0.1", metrics=True, metrics_port=0, **overrides)
 
 
@@ -80,7 +81,11 @@ def test_broker_restart_losing_its_state_fences_the_producer_which_is_replaced()
     broker = EmbeddedBroker(port=port).start()
     try:
         create_topics(bootstrap, TOPICS)
-        with Service(config_for(bootstrap, "restart-memory", producer_stall_timeout_s=5)) as service:
+        # librdkafka gives up a record after message.timeout.ms; no successful delivery for longer than that
+        # means the producer is dead (the stall timeout must exceed it).
+        config = config_for(bootstrap, "restart-memory", kafka_producer={"message.timeout.ms": "3000"},
+                            producer_stall_timeout_s=5)
+        with Service(config) as service:
             assert service.wait_ready(30)
             assert list(ask(bootstrap, [{"before": 1}]).values()) == [{"result": {"before": 1}}]
             broker.stop()

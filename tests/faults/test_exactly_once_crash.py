@@ -34,7 +34,7 @@ def test_sigkill_in_exactly_once_mode_leaves_no_duplicate_committed_reply(broker
             "--reply-topic", topics["replies"], "--dead-letter-topic", topics["dead"], "--group-id", group,
             "--handler", "echo", "--delivery", "exactly-once", "--commit-interval-ms", "200",
             "--no-metrics",
-            *[arg for key, value in TEST_CONSUMER_PROPERTIES.items() for arg in ("--kafka", f"{key}={value}")]]
+            *[arg for key, value in TEST_CONSUMER_PROPERTIES.items() for arg in ("--kafka-consumer", f"{key}={value}")]]
     ends: Counter = Counter()
 
     def load() -> None:

@@ -41,7 +41,7 @@ def test_three_times_capacity_for_a_minute(broker, unique_id):
         "--bootstrap-servers", broker.bootstrap_servers, "--request-topics", topics["requests"],
         "--reply-topic", topics["replies"], "--dead-letter-topic", topics["dead"], "--group-id", group,
         "--handler", "tests.integration.slow_handler:SlowEcho", "--max-batch-size", "4", "--no-metrics",
-        *[arg for key, value in TEST_CONSUMER_PROPERTIES.items() for arg in ("--kafka", f"{key}={value}")],
+        *[arg for key, value in TEST_CONSUMER_PROPERTIES.items() for arg in ("--kafka-consumer", f"{key}={value}")],
     ])
     ends: Counter = Counter()
     samples: list[float] = []

@@ -356,7 +356,8 @@ def test_an_unknown_reply_to_topic_sends_the_request_to_the_dead_letter_topic(br
     topics = broker.topics(requests=1, replies=1, dead=1)
     missing = f"missing-{uuid.uuid4().hex[:10]}"
     poison = (b"poison", _json({"n": 1}), [(protocol.REPLY_TO, missing.encode()), (protocol.CORRELATION_ID, b"c1")])
-    with serving(broker, topics, Poison(), kafka_producer=NO_AUTO_CREATE) as service:
+    with serving(broker, topics, Poison(), kafka_producer=NO_AUTO_CREATE,
+                 reply_topics_allowed=["missing-*"]) as service:
         produce(broker.bootstrap_servers, topics["requests"], [poison, (b"neighbour", _json({"n": 2}), [])])
         dead = by_key(collect(service, broker.bootstrap_servers, topics["dead"], 1, timeout_s=20))
         replies = by_key(read(broker.bootstrap_servers, topics["replies"], 1, settle_s=0.5))
@@ -375,7 +376,8 @@ def test_a_second_request_to_the_same_unknown_reply_to_topic_is_dead_lettered_to
     require_no_auto_create(broker)
     topics = broker.topics(requests=1, replies=1, dead=1)
     to_missing = [(protocol.REPLY_TO, f"missing-{uuid.uuid4().hex[:10]}".encode())]
-    with serving(broker, topics, Poison(), kafka_producer=NO_AUTO_CREATE) as service:
+    with serving(broker, topics, Poison(), kafka_producer=NO_AUTO_CREATE,
+                 reply_topics_allowed=["missing-*"]) as service:
         produce(broker.bootstrap_servers, topics["requests"], [(b"first", _json({"n": 1}), to_missing)])
         collect(service, broker.bootstrap_servers, topics["dead"], 1, timeout_s=20, settle_s=0)
         produce(broker.bootstrap_servers, topics["requests"], [(b"second", _json({"n": 2}), to_missing)])
@@ -384,6 +386,30 @@ def test_a_second_request_to_the_same_unknown_reply_to_topic_is_dead_lettered_to
         assert set(dead) == {b"first", b"second"}
         assert {headers_of(m)[protocol.ERROR_CODE] for m in dead.values()} == {b"internal_error"}
         ask_ok(service, broker.bootstrap_servers, topics)
+
+
+def test_a_reply_topic_outside_the_allow_list_gets_an_error_reply_on_the_default_topic(broker):
+    """The reply-to header is not an open relay: a request naming the service's own request topic, its
+    dead-letter topic or any topic not allowed is answered with reply_topic_not_allowed on the default reply
+    topic, and nothing is written where it asked."""
+    topics = broker.topics(requests=1, replies=1, dead=1, elsewhere=1, team=1)
+    asks = {b"own-requests": topics["requests"], b"dead-letters": topics["dead"], b"elsewhere": topics["elsewhere"],
+            b"allowed": topics["team"]}
+    records = [(key, _json({"n": i}), [(protocol.REPLY_TO, topic.encode()), (protocol.CORRELATION_ID, key)])
+               for i, (key, topic) in enumerate(asks.items())]
+    with serving(broker, topics, Poison(), reply_topics_allowed=["team-*"]) as service:
+        produce(broker.bootstrap_servers, topics["requests"], records)
+        replies = by_key(collect(service, broker.bootstrap_servers, topics["replies"], 3, timeout_s=20))
+        allowed = by_key(collect(service, broker.bootstrap_servers, topics["team"], 1, timeout_s=20))
+        requests_topic = read(broker.bootstrap_servers, topics["requests"], len(records) + 1, settle_s=0.5)
+        assert service.healthy
+    assert {key: code_of(reply) for key, reply in replies.items()} == {
+        b"own-requests": "reply_topic_not_allowed", b"dead-letters": "reply_topic_not_allowed",
+        b"elsewhere": "reply_topic_not_allowed"}
+    assert set(allowed) == {b"allowed"} and code_of(allowed[b"allowed"]) is None
+    assert len(requests_topic) == len(records), "nothing was written back to the request topic"
+    assert read(broker.bootstrap_servers, topics["elsewhere"], 1, settle_s=0.5) == []
+    assert read(broker.bootstrap_servers, topics["dead"], 1, settle_s=0.5) == []
 
 
 # --- the real process ---------------------------------------------------------------------------

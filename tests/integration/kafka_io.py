@@ -22,8 +22,9 @@ def service_config(bootstrap: str, topics: dict[str, str], **overrides: Any) -> 
         "dead_letter_topic": topics["dead"],
         "group_id": f"kinference-test-{uuid.uuid4().hex[:8]}",
         "handler": "echo",
-        "kafka": TEST_CONSUMER_PROPERTIES,
+        "kafka_consumer": TEST_CONSUMER_PROPERTIES,
         "commit_interval_ms": 200,
+        "lag_interval_s": 0.5,
         "metrics": False,  # tests that scrape pass metrics=True, metrics_port=0 (any free port)
         **overrides,
     }

@@ -55,7 +55,7 @@ def test_serve_process_answers_and_exits_zero_on_sigterm(broker, unique_id, tmp_
     group = f"cli-{unique_id}"
     config_file = tmp_path / "kinference.yaml"
     # Kafka properties as YAML numbers, as users write them: they reach librdkafka as strings.
-    config_file.write_text(f"reply_topic: {topics['replies']}\nmax_batch_size: 8\nkafka:\n"
+    config_file.write_text(f"reply_topic: {topics['replies']}\nmax_batch_size: 8\nkafka_consumer:\n"
                            + "".join(f"  {k}: {v}\n" for k, v in TEST_CONSUMER_PROPERTIES.items()))
     env = {"KINFERENCE_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "KINFERENCE_DEAD_LETTER_TOPIC": topics["dead"],
            "KINFERENCE_HANDLER": "echo"}

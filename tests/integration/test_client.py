@@ -11,6 +11,7 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
+from kinference.consumer.broker import LOW_LATENCY_CONSUMER
 from kinference.consumer.service import Service
 from kinference.handlers.echo import EchoHandler
 from kinference.loadgen import Client, ClientError, ReplyError, RequestTimeout
@@ -31,7 +32,9 @@ class NapEcho(EchoHandler):
 def served(broker):
     """One echo service for the module; ``orphan`` is a request topic nobody serves."""
     topics = broker.topics(requests=3, replies=2, dead=1, orphan=1)
-    config = service_config(broker.bootstrap_servers, topics, metrics=True, metrics_port=0)
+    # Clients may also ask for replies on topics of their own ("shared-...", below).
+    config = service_config(broker.bootstrap_servers, topics, metrics=True, metrics_port=0,
+                            reply_topics_allowed=["shared-*"])
     with Service(config, handler=NapEcho()) as service:
         assert service.wait_ready(30)
         yield broker.bootstrap_servers, topics
@@ -40,7 +43,7 @@ def served(broker):
 def client(served, topic: str = "requests", reply_topic: str | None = None, **options: Any) -> Client:
     bootstrap, topics = served
     return Client(bootstrap, topics[topic], reply_topic or topics["replies"],
-                        **{"timeout_s": 10.0, **options})
+                  **{"timeout_s": 10.0, "reply_consumer": LOW_LATENCY_CONSUMER, **options})
 
 
 def test_requests_from_many_threads_get_their_own_replies(served):

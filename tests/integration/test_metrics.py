@@ -56,7 +56,7 @@ def test_metrics_count_what_was_sent_and_readiness_follows_assignment(broker):
     with Service(config) as service:
         port = service.endpoints.port
         status, body = get(port, "/readyz")  # the group join takes seconds: not assigned yet
-        assert status == 503 and orjson.loads(body)["checks"]["partitions_assigned"] is False
+        assert status == 503 and orjson.loads(body)["checks"]["group_joined"] is False
         assert get(port, "/healthz")[0] == 200
         assert service.wait_ready(30)
         assert wait_for(lambda: get(port, "/readyz")[0] == 200), get(port, "/readyz")

@@ -79,7 +79,8 @@ def test_reply_to_and_spring_headers_are_honoured(broker, topics):
         ]),
         (b"c", b'"to-default"', []),
     ]
-    with Service(service_config(broker.bootstrap_servers, topics)) as service:
+    allowed = [extra["custom"], "spring-*"]  # a name and a pattern
+    with Service(service_config(broker.bootstrap_servers, topics, reply_topics_allowed=allowed)) as service:
         assert service.wait_ready(READY_S)
         produced = produce(broker.bootstrap_servers, topics["requests"], records[2:])
         produce(broker.bootstrap_servers, topics["requests"], records[:2])

@@ -1,7 +1,10 @@
 import random
 import threading
 
-from kinference.consumer.commit import OffsetTracker
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from kinference.consumer.commit import ConsumerCommitter, OffsetTracker
+from kinference.consumer.metrics import Metrics
 from tests.fakes import make_request
 
 P0 = ("requests", 0)
@@ -11,12 +14,18 @@ def positions(tracker):
     return {(tp.topic, tp.partition): tp.offset for tp in tracker.commit_offsets()}
 
 
+def track(tracker: OffsetTracker, request) -> bool:
+    """What the poll loop does with each record before anything else: register it, and keep its ledger."""
+    request.ledger = tracker.track((request.topic, request.partition), request.offset)
+    return request.ledger is not None
+
+
 def test_commit_position_waits_for_the_lowest_unfinished_offset():
     tracker = OffsetTracker()
     tracker.assign([P0])
     requests = [make_request(offset=o) for o in range(10, 15)]
     for request in requests:
-        tracker.track(request)
+        track(tracker, request)
     assert positions(tracker) == {}
     for request in (requests[1], requests[2], requests[4]):
         tracker.finish(request)
@@ -35,7 +44,7 @@ def test_out_of_order_completion_random_orders():
         tracker.assign([P0])
         requests = [make_request(offset=o) for o in range(100)]
         for request in requests:
-            tracker.track(request)
+            track(tracker, request)
         order = requests[:]
         rng.shuffle(order)
         finished = set()
@@ -51,7 +60,7 @@ def test_committed_offsets_are_not_returned_again():
     tracker = OffsetTracker()
     tracker.assign([P0])
     request = make_request(offset=0)
-    tracker.track(request)
+    track(tracker, request)
     tracker.finish(request)
     offsets = tracker.commit_offsets()
     tracker.committed(offsets)
@@ -62,7 +71,7 @@ def test_revoked_partition_ignores_late_acknowledgements():
     tracker = OffsetTracker()
     tracker.assign([P0])
     request = make_request(offset=0)
-    tracker.track(request)
+    track(tracker, request)
     tracker.revoke([P0])
     tracker.finish(request)  # the reply landed after the partition moved to another member
     assert tracker.commit_offsets() == []
@@ -75,7 +84,7 @@ def test_abandoned_requests_leave_in_flight_but_block_the_commit_position():
     tracker.assign([P0])
     done, dropped, after = (make_request(offset=o) for o in range(3))
     for request in (done, dropped, after):
-        tracker.track(request)
+        track(tracker, request)
     tracker.abandon([dropped])
     tracker.finish(done)
     tracker.finish(after)
@@ -88,7 +97,7 @@ def test_wait_idle_returns_when_the_last_request_finishes():
     tracker = OffsetTracker()
     tracker.assign([P0])
     request = make_request(offset=0)
-    tracker.track(request)
+    track(tracker, request)
     assert not tracker.wait_idle(0.02)
     timer = threading.Timer(0.05, tracker.finish, args=(request,))
     timer.start()
@@ -99,8 +108,8 @@ def test_partitions_are_independent():
     tracker = OffsetTracker()
     tracker.assign([P0, ("requests", 1)])
     a, b = make_request(partition=0, offset=5), make_request(partition=1, offset=7)
-    tracker.track(a)
-    tracker.track(b)
+    track(tracker, a)
+    track(tracker, b)
     tracker.finish(b)
     assert positions(tracker) == {("requests", 1): 8}
     assert tracker.wait_idle(0.01, [("requests", 1)]) and not tracker.wait_idle(0.01, [P0])
@@ -110,10 +119,10 @@ def test_records_of_partitions_not_assigned_are_refused():
     tracker = OffsetTracker()
     tracker.assign([P0])
     stray = make_request(partition=7, offset=3)
-    assert tracker.track(stray) is False and stray.ledger is None
+    assert track(tracker, stray) is False and stray.ledger is None
     tracker.revoke([P0])
     late = make_request(offset=4)  # fetched before the revoke, returned after it
-    assert tracker.track(late) is False
+    assert track(tracker, late) is False
     assert tracker.in_flight == 0 and tracker.commit_offsets() == []
 
 
@@ -121,6 +130,87 @@ def test_a_record_consumed_twice_in_one_assignment_is_tracked_once():
     tracker = OffsetTracker()
     tracker.assign([P0])
     first, again = make_request(offset=5), make_request(offset=5)
-    assert tracker.track(first) and not tracker.track(again)
+    assert track(tracker, first) and not track(tracker, again)
     tracker.finish(first)
     assert positions(tracker) == {P0: 6} and tracker.in_flight == 0
+
+
+def test_an_offset_the_consumer_passed_untracked_is_never_committed_over():
+    """A record lost between the consumer and the tracker (a bug upstream) is a gap: the commit position stops
+    before it for good, even when later records finish."""
+    tracker = OffsetTracker()
+    tracker.assign([P0])
+    first = make_request(offset=10)
+    track(tracker, first)
+    tracker.check_position(P0, 11)  # consistent: the next record is right after the last one tracked
+    tracker.finish(first)
+    assert positions(tracker) == {P0: 11}
+    tracker.check_position(P0, 14)  # 11..13 were handed over but never tracked
+    later = make_request(offset=14)
+    track(tracker, later)
+    tracker.finish(later)
+    assert positions(tracker) == {P0: 11}
+    tracker.revoke([P0])
+    tracker.assign([P0])  # a new assignment starts clean
+    again = make_request(offset=11)
+    track(tracker, again)
+    tracker.finish(again)
+    assert positions(tracker) == {P0: 12}
+
+
+def test_a_position_behind_the_last_tracked_record_is_no_gap():
+    """A redelivered record (tracked once already) leaves the consumer's position behind the tracker's."""
+    tracker = OffsetTracker()
+    tracker.assign([P0])
+    request = make_request(offset=5)
+    track(tracker, request)
+    tracker.check_position(P0, 3)
+    tracker.finish(request)
+    assert positions(tracker) == {P0: 6}
+
+
+class FakeConsumer:
+    def __init__(self, fail_sync: bool = False):
+        self.commits: list[tuple[list, bool]] = []
+        self.fail_sync = fail_sync
+
+    def commit(self, offsets, asynchronous):
+        self.commits.append(([(tp.topic, tp.partition, tp.offset) for tp in offsets], asynchronous))
+        if not asynchronous:
+            if self.fail_sync:
+                raise KafkaException(KafkaError(KafkaError.REQUEST_TIMED_OUT))
+            return offsets
+        return None
+
+
+def test_committer_commits_asynchronously_on_its_interval_and_learns_from_the_report():
+    tracker, metrics = OffsetTracker(), Metrics()
+    committer = ConsumerCommitter(tracker, metrics, interval_s=1.0)
+    tracker.assign([P0])
+    request = make_request(offset=0)
+    track(tracker, request)
+    tracker.finish(request)
+    consumer = FakeConsumer()
+    committer.maybe_commit(consumer, now=100.0)
+    committer.maybe_commit(consumer, now=100.5)  # within the interval: nothing
+    assert consumer.commits == [([("requests", 0, 1)], True)]
+    committer.maybe_commit(consumer, now=101.5)  # the first is not reported yet: commits never pile up
+    assert len(consumer.commits) == 1
+    committer.on_commit(None, [TopicPartition("requests", 0, 1)])
+    committer.maybe_commit(consumer, now=103.0)  # confirmed: nothing new to commit
+    assert len(consumer.commits) == 1 and metrics.commits._value.get() == 1
+
+
+def test_committer_counts_a_failed_commit_and_retries_later():
+    tracker, metrics = OffsetTracker(), Metrics()
+    committer = ConsumerCommitter(tracker, metrics, interval_s=1.0)
+    tracker.assign([P0])
+    request = make_request(offset=0)
+    track(tracker, request)
+    tracker.finish(request)
+    committer.on_commit(KafkaError(KafkaError.REBALANCE_IN_PROGRESS), [TopicPartition("requests", 0, 1)])
+    committer.commit(FakeConsumer(fail_sync=True), [P0])
+    assert metrics.commit_failures._value.get() == 2
+    consumer = FakeConsumer()
+    committer.commit(consumer, [P0])  # revoke: synchronous
+    assert consumer.commits == [([("requests", 0, 1)], False)] and tracker.commit_offsets() == []

@@ -5,12 +5,49 @@ from kinference.consumer.config import ServiceConfig, load_config
 from kinference.errors import ConfigError
 
 
-def test_defaults_are_valid_and_low_latency():
+def test_defaults_are_valid_safe_and_incremental():
     config = ServiceConfig()
     consumer = config.consumer_config()
     assert consumer["enable.auto.commit"] == "false" and consumer["enable.auto.offset.store"] == "false"
-    assert int(consumer["fetch.wait.max.ms"]) <= 10
-    assert config.producer_config()["enable.idempotence"] == "true"
+    assert consumer["partition.assignment.strategy"] == "cooperative-sticky" and config.incremental_rebalancing
+    # librdkafka's own fetch wait: a low one is for the embedded broker only (consumer.broker.LOW_LATENCY_CONSUMER).
+    assert "fetch.wait.max.ms" not in consumer
+    assert config.producer_config()["enable.idempotence"] == "true" and config.producer_config()["acks"] == "all"
+    # A producer is replaced only after librdkafka's own delivery timeout (300 s) has passed.
+    assert config.stall_timeout_s == 330.0
+
+
+def test_kip848_protocol_drops_the_classic_assignor_and_is_incremental():
+    config = load_config({"kafka_consumer": ["group.protocol=consumer"]}, environ={})
+    assert "partition.assignment.strategy" not in config.consumer_config() and config.incremental_rebalancing
+    eager = load_config({"kafka_consumer": ["partition.assignment.strategy=range"]}, environ={})
+    assert not eager.incremental_rebalancing
+
+
+@pytest.mark.parametrize("prop", ["acks=1", "acks=0", "enable.idempotence=false"])
+def test_producer_guarantees_cannot_be_weakened(prop):
+    with pytest.raises(ConfigError, match="must stay"):
+        load_config({"kafka_producer": [prop]}, environ={})
+    assert load_config({"kafka_producer": ["acks=-1"]}, environ={}).producer_config()["acks"] == "-1"
+
+
+def test_the_stall_timeout_must_exceed_librdkafkas_delivery_timeout():
+    with pytest.raises(ConfigError, match="must exceed librdkafka's delivery timeout"):
+        load_config({"producer_stall_timeout_s": 15}, environ={})
+    config = load_config({"kafka_producer": ["message.timeout.ms=5000"]}, environ={})
+    assert config.stall_timeout_s == 35.0
+    assert load_config({"kafka_producer": ["message.timeout.ms=5000"], "producer_stall_timeout_s": 6},
+                       environ={}).stall_timeout_s == 6
+
+
+def test_reply_topic_allow_list():
+    config = load_config({"reply_topic": "replies", "request_topics": "requests", "dead_letter_topic": "dead",
+                          "reply_topics_allowed": "team-a-*,audit,requests,dead"}, environ={})
+    assert config.reply_topic_allowed("replies") and config.reply_topic_allowed("team-a-replies")
+    assert config.reply_topic_allowed("audit") and not config.reply_topic_allowed("team-b-replies")
+    # Never the service's own input or its dead letters, whatever the patterns say.
+    assert not config.reply_topic_allowed("requests") and not config.reply_topic_allowed("dead")
+    assert not ServiceConfig().reply_topic_allowed("anything-else")
 
 
 def test_precedence_cli_over_env_over_yaml(tmp_path):

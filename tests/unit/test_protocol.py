@@ -113,3 +113,54 @@ def test_record_timestamp_is_kept_for_queue_age():
     assert request.timestamp_ms == 1_700_000_000_000
     assert request.age_ms(now=5.0, now_epoch_ms=1_700_000_000_250) == 250
     assert DECODER.decode(FakeRecord(b"1"), received=5.0).age_ms(now=5.2, now_epoch_ms=0) == pytest.approx(200)
+
+
+class UnreadableHeaders(FakeRecord):
+    """What confluent-kafka does for a header name that is not UTF-8: headers() raises SystemError."""
+
+    def headers(self):
+        raise SystemError("<built-in method headers> returned a result with an exception set") from \
+            UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+
+def test_a_record_whose_headers_cannot_be_read_is_a_dead_letter_with_no_reply_route():
+    request = DECODER.decode(UnreadableHeaders(b'{"text": "hi"}', key=b"k1", topic="t", partition=1, offset=9))
+    assert request.dead_letter and request.unroutable and request.error.code == ErrorCode.BAD_REQUEST
+    assert "headers cannot be read" in request.error.message and "UnicodeDecodeError" in request.error.message
+    # The raw key and value ride along in the dead letter.
+    assert (request.key, request.value, request.headers) == (b"k1", b'{"text": "hi"}', [])
+
+
+def test_a_decoder_bug_is_still_a_dead_letter_not_an_exception():
+    class Broken(FakeRecord):
+        def timestamp(self):
+            raise AttributeError("no timestamp here")
+
+    request = DECODER.decode(Broken(b"1", topic="t", partition=0, offset=3))
+    assert request.dead_letter and request.error.code == ErrorCode.INTERNAL_ERROR and request.offset == 3
+
+
+ALLOWING = requests.RequestDecoder("replies", 100, reply_topic_allowed=lambda topic: topic.startswith("team-"))
+
+
+def test_a_reply_topic_outside_the_allow_list_gets_an_error_on_the_default_topic():
+    request = ALLOWING.decode(FakeRecord(b"1", headers=[(protocol.REPLY_TO, b"their-requests"),
+                                                        (protocol.SPRING_REPLY_PARTITION, struct.pack(">i", 2))]))
+    assert request.error.code == ErrorCode.REPLY_TOPIC_NOT_ALLOWED and not request.dead_letter
+    assert (request.reply_topic, request.reply_partition) == ("replies", None)
+    assert "their-requests" in request.error.message
+    allowed = ALLOWING.decode(FakeRecord(b"1", headers=[(protocol.REPLY_TO, b"team-a")]))
+    assert allowed.ok and allowed.reply_topic == "team-a"
+
+
+def test_a_bad_record_asking_for_a_forbidden_topic_is_answered_on_the_default_topic():
+    """Whatever else is wrong with a record, nothing is written to a topic outside the allow-list."""
+    request = ALLOWING.decode(FakeRecord(b"{broken", headers=[(protocol.REPLY_TO, b"elsewhere"),
+                                                              (protocol.DEADLINE_MS, b"soon")]))
+    assert request.dead_letter and request.reply_topic == "replies" and request.error.code == ErrorCode.BAD_REQUEST
+
+
+def test_an_ok_request_without_a_result_gets_an_internal_error_reply_not_a_crash():
+    request = DECODER.decode(FakeRecord(b"1"))
+    value = orjson.loads(requests.reply_value(request))
+    assert value["error"]["code"] == "internal_error" and request.error.code == ErrorCode.INTERNAL_ERROR

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.publisher import Publisher
@@ -38,13 +38,17 @@ class FakeProducer:
 
     instances: list[FakeProducer] = []
 
-    def __init__(self, config, fate=lambda topic: None, fatal=None):
+    def __init__(self, config, fate=lambda topic: None, fatal=None, refuse=lambda value: None):
+        """``refuse(value)``: the error produce() raises at once for that value (too large), or None."""
         self.error_cb = config["error_cb"]
-        self.fate, self.fatal = fate, fatal
+        self.fate, self.fatal, self.refuse = fate, fatal, refuse
         self.queued, self.delivered = [], []
         FakeProducer.instances.append(self)
 
     def produce(self, topic, value, key, headers=None, on_delivery=None, partition=-1):
+        refused = self.refuse(value or b"")
+        if refused is not None:
+            raise KafkaException(refused)
         self.queued.append((FakeMessage(topic, value, key, headers, partition), on_delivery))
 
     def poll(self, timeout=0):
@@ -118,14 +122,67 @@ def test_undeliverable_reply_goes_to_the_dead_letter_topic_then_counts_as_answer
     assert dead.topic() == "dead" and dict(dead.headers())["kinference-error-code"] == b"internal_error"
 
 
-def test_dead_letter_failure_leaves_the_request_unanswered():
+def test_a_request_nothing_can_answer_stays_unanswered_and_stops_the_service():
     FakeProducer.instances.clear()
     refused = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)
     publisher, answered = start_publisher([lambda c: FakeProducer(c, fate=lambda t: refused)])
     publisher.submit([ok_request()])
-    time.sleep(0.3)
+    assert wait_for(lambda: publisher.failure is not None)
+    assert "cannot be answered" in publisher.failure and "dead" in publisher.failure
+    assert wait_for(lambda: not publisher.alive)  # /healthz fails; the service exits non-zero
     publisher.stop(5)
     assert answered == []  # so its offset is never committed
+
+
+def test_a_record_that_timed_out_is_produced_again_not_dead_lettered():
+    """_MSG_TIMED_OUT after a long broker outage is not the record's fault: the same reply goes out again."""
+    FakeProducer.instances.clear()
+    failures = iter([KafkaError(KafkaError._MSG_TIMED_OUT), KafkaError(KafkaError._PURGE_QUEUE)])
+    publisher, answered = start_publisher([lambda c: FakeProducer(c, fate=lambda t: next(failures, None))])
+    request = ok_request()
+    publisher.submit([request])
+    assert wait_for(lambda: answered == [request], timeout_s=10)  # backoff 0.5 s, then 1 s
+    publisher.stop(5)
+    (reply,) = FakeProducer.instances[0].delivered
+    assert reply.topic() == "replies" and publisher.failure is None
+
+
+def test_transient_failures_past_the_retry_timeout_stop_the_service():
+    FakeProducer.instances.clear()
+    answered = []
+    timed_out = KafkaError(KafkaError._MSG_TIMED_OUT)
+    publisher = Publisher({}, "dead", answered.append, queue_size=10, metrics=Metrics(), delivery_retry_timeout_s=0.3,
+                          producer_factory=lambda c: FakeProducer(c, fate=lambda t: timed_out))
+    publisher.start()
+    publisher.submit([ok_request()])
+    assert wait_for(lambda: publisher.failure is not None, timeout_s=10)
+    assert "still failed after 0.3 s" in publisher.failure and answered == []
+    publisher.stop(5)
+
+
+def test_a_result_too_large_for_the_broker_becomes_a_small_error_reply():
+    FakeProducer.instances.clear()
+    too_large = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+    publisher, answered = start_publisher(
+        [lambda c: FakeProducer(c, refuse=lambda value: too_large if len(value) > 500 else None)])
+    request = make_request()
+    request.reply_value = encode_result({"x": "y" * 1000})
+    publisher.submit([request])
+    assert wait_for(lambda: answered == [request])
+    publisher.stop(5)
+    (reply,) = FakeProducer.instances[0].delivered
+    assert dict(reply.headers())["kinference-error-code"] == b"handler_error" and b"too large" in reply.value()
+
+
+def test_a_record_whose_headers_cannot_be_read_is_answered_by_its_dead_letter_only():
+    FakeProducer.instances.clear()
+    publisher, answered = start_publisher([FakeProducer])
+    request = make_request()
+    request.error, request.dead_letter, request.unroutable = RequestError("headers", ErrorCode.BAD_REQUEST), True, True
+    publisher.submit([request])
+    assert wait_for(lambda: answered == [request])
+    publisher.stop(5)
+    assert [m.topic() for m in FakeProducer.instances[0].delivered] == ["dead"]
 
 
 def test_fatal_producer_is_replaced_and_undelivered_records_are_produced_again():

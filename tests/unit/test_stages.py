@@ -214,3 +214,71 @@ def test_a_failing_warm_up_fails_start_and_stops_the_threads():
     time.sleep(0.2)
     stages = ("kinference-preprocess", "kinference-inference", "kinference-postprocess", "kinference-dispatch")
     assert not any(t.name.startswith(stages) and t.is_alive() for t in threading.enumerate())
+
+
+class CostHandler(SquareHandler):
+    def __init__(self, cost):
+        super().__init__()
+        self._cost = cost
+
+    def cost(self, item):
+        return self._cost(item)
+
+
+@pytest.mark.parametrize("cost", [lambda item: "12", lambda item: True, lambda item: -1, lambda item: 1.5,
+                                  lambda item: 1 / 0])
+def test_a_cost_hook_that_raises_or_returns_no_token_count_fails_its_request_only(cost):
+    request = make_request({"x": 3})
+    admit(CostHandler(cost), request)
+    assert request.error.code == "handler_error" and request.tokens is None
+    good = make_request({"x": 3})
+    admit(CostHandler(lambda item: 7), good)
+    assert good.ok and good.tokens == 7
+
+
+class StuckHandler(SquareHandler):
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def inference(self, inputs):
+        self.entered.set()
+        self.release.wait(30)
+        return super().inference(inputs)
+
+
+def test_stop_returns_by_its_deadline_when_a_handler_call_never_returns():
+    handler = StuckHandler()
+    batches: queue.Queue = queue.Queue()
+    for i in range(6):
+        batches.put([make_request({"x": i})])
+    pipeline = Pipeline(handler, lambda timeout: [] if batches.empty() else batches.get(), lambda requests: None,
+                        max_batch_size=1)
+    pipeline.start()
+    assert handler.entered.wait(5)
+    started = time.monotonic()
+    assert pipeline.stop(0.5) is False  # the inference thread is still inside the handler
+    assert time.monotonic() - started < 2.0
+    handler.release.set()
+
+
+def test_inference_threads_warm_up_one_at_a_time():
+    class Warm(SquareHandler):
+        def __init__(self):
+            super().__init__()
+            self.warming, self.overlap = 0, False
+
+        def warm_up(self):
+            with self._lock:
+                self.warming += 1
+                self.overlap |= self.warming > 1
+            time.sleep(0.05)
+            with self._lock:
+                self.warming -= 1
+
+    handler = Warm()
+    pipeline = Pipeline(handler, lambda timeout: [], lambda requests: None, max_batch_size=4, inference_threads=4)
+    pipeline.start()
+    assert pipeline.stop(5)
+    assert not handler.overlap

@@ -1,0 +1,121 @@
+"""What answers a request, and what happens when the broker refuses one of its records.
+
+Both delivery modes answer the same way (``publisher`` produces at once, ``transactions`` inside a
+transaction); only when an answer counts as done differs. A request is answered by
+
+- its reply: the result, or an error reply with its code, to its reply topic and partition;
+- plus a dead letter when the record could not be read as a request (original key, value and headers, and
+  why), or only the dead letter when not even its headers could be read (nobody knows where to reply).
+
+When the broker refuses a record, ``classify`` decides:
+
+- ``TRANSIENT``: not the record's fault (timed out during an outage, purged, not enough replicas...): the
+  same record is produced again, with backoff, up to the delivery retry timeout;
+- ``PERMANENT``: the record can never be delivered: ``replacement`` says what answers the request instead
+  (a result too large for the broker becomes a small ``handler_error`` reply; a reply whose topic refuses it
+  becomes a dead letter; a dead letter too large loses the original value and headers). When nothing can
+  answer the request (the dead-letter topic itself refuses), the request is unanswerable: the service stops
+  rather than commit past it;
+- ``FATAL``: the producer itself is finished; the record waits for the next producer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Literal
+
+from confluent_kafka import KafkaError
+
+from kinference.consumer.request import Headers, Request, dead_letter_headers, reply_headers, reply_value
+from kinference.errors import RequestError
+from kinference.protocol import ErrorCode
+
+Record = tuple[str, bytes | None, bytes | None, Headers, int | None]
+"""topic, value, key, headers, partition: what is needed to produce a record (again)."""
+
+
+class Refusal(enum.Enum):
+    TRANSIENT = "transient"
+    PERMANENT = "permanent"
+    FATAL = "fatal"
+
+
+_TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+_NEVER_DELIVERABLE = _TOO_LARGE | {
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError._UNKNOWN_TOPIC,
+    KafkaError._UNKNOWN_PARTITION,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.TOPIC_EXCEPTION,
+    KafkaError.INVALID_RECORD,
+    KafkaError.POLICY_VIOLATION,
+    KafkaError._INVALID_ARG,
+}
+"""Codes that say this record can never be delivered as it is. Anything else that is not fatal passes (librdkafka
+sets no ``retriable()`` flag on delivery reports, so the codes decide)."""
+
+
+def classify(error: KafkaError) -> Refusal:
+    if error.fatal():
+        return Refusal.FATAL
+    return Refusal.PERMANENT if error.code() in _NEVER_DELIVERABLE else Refusal.TRANSIENT
+
+
+@dataclass(slots=True, eq=False)
+class Delivery:
+    """One record produced to answer one request."""
+
+    request: Request
+    kind: Literal["reply", "dead_letter"]
+    record: Record
+    first_attempt: float
+    """``time.monotonic()`` of the first produce of this record: transient failures are retried up to a bound."""
+    reason: RequestError | None = None
+    """A dead letter's: why the request could not be served."""
+    original: bool = True
+    """A dead letter with the original value and headers (False once they made it too large)."""
+    attempts: int = 0
+    transaction: int = 0
+    """Exactly-once: the transaction it was produced in (reports from an aborted one are stale)."""
+
+
+def answer(request: Request, dead_letter_topic: str, now: float) -> list[Delivery]:
+    """The records that answer ``request`` now."""
+    deliveries = []
+    if not request.unroutable:
+        deliveries.append(_reply(request, now))
+    if request.dead_letter:
+        error = request.error or RequestError("the record is not a valid request", ErrorCode.BAD_REQUEST)
+        deliveries.append(_dead_letter(request, dead_letter_topic, error, now))
+    return deliveries
+
+
+def replacement(refused: Delivery, error: KafkaError, dead_letter_topic: str, now: float) -> list[Delivery]:
+    """What answers the request instead of a record the broker refused for good; empty when nothing can."""
+    request = refused.request
+    too_large = error.code() in _TOO_LARGE
+    if refused.kind == "reply":
+        if too_large and request.ok:
+            request.fail(RequestError(f"the result is too large to publish: {error.str()}", ErrorCode.HANDLER_ERROR))
+            return [_reply(request, now)]
+        reason = RequestError(f"reply to {refused.record[0]} could not be delivered: {error.str()}",
+                              ErrorCode.INTERNAL_ERROR)
+        return [_dead_letter(request, dead_letter_topic, reason, now)]
+    if too_large and refused.original and refused.reason is not None:
+        # Keep the record of the failure, without the original value and headers that made it too large.
+        return [_dead_letter(request, dead_letter_topic, refused.reason, now, original=False)]
+    return []
+
+
+def _reply(request: Request, now: float) -> Delivery:
+    record = (request.reply_topic, reply_value(request), request.key, reply_headers(request, now),
+              request.reply_partition)
+    return Delivery(request, "reply", record, now)
+
+
+def _dead_letter(request: Request, topic: str, error: RequestError, now: float, original: bool = True) -> Delivery:
+    """With ``original`` the request's value and headers ride along; without, only kinference's headers."""
+    record = (topic, request.value if original else None, request.key, dead_letter_headers(request, error, original),
+              None)
+    return Delivery(request, "dead_letter", record, now, reason=error, original=original)

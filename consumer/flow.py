@@ -1,0 +1,62 @@
+"""Flow control: at most ``max_in_flight`` requests consumed and not yet answered (committed, in exactly-once).
+
+Above it every assigned partition pauses; at ``resume_in_flight`` they resume. The poll thread keeps polling
+while paused, so the member never leaves the group, and memory stays bounded whatever the input rate.
+Draining (shutdown) pauses for good.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from confluent_kafka import TopicPartition
+
+from kinference.consumer.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class FlowControl:
+    def __init__(self, max_in_flight: int, resume_in_flight: int, metrics: Metrics) -> None:
+        self._max = max_in_flight
+        self._resume = resume_in_flight
+        self._metrics = metrics
+        self.paused = False
+        self.draining = False
+
+    def update(self, consumer: Any, in_flight: int) -> None:
+        """Called by the poll thread after each poll."""
+        self._metrics.in_flight.set(in_flight)
+        if not self.paused and (self.draining or in_flight >= self._max):
+            assignment = consumer.assignment()
+            consumer.pause(assignment)
+            self.paused = True
+            self._metrics.paused_partitions.set(len(assignment))
+            log.debug("paused: %d in flight", in_flight)
+        elif self.paused and not self.draining and in_flight <= self._resume:
+            assignment = consumer.assignment()
+            consumer.resume(assignment)
+            # librdkafka notices a resume only at its next fetch-loop wake-up (about 1 s later); a seek to the
+            # position the application has consumed up to starts the fetch at once, and refetches exactly what
+            # pause() discarded.
+            for tp in consumer.position(assignment):
+                if tp.offset >= 0:
+                    consumer.seek(tp)
+            self.paused = False
+            self._metrics.paused_partitions.set(0)
+            log.debug("resumed: %d in flight", in_flight)
+
+    def assigned(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        """Newly assigned partitions join the current state: paused while the rest are, else fetching. Resumed
+        explicitly: librdkafka keeps a partition's pause across an unassign, so a partition this member paused
+        before a rebalance and gets back after it would otherwise stay paused for good."""
+        if self.paused:
+            consumer.pause(partitions)
+            self._metrics.paused_partitions.set(len(consumer.assignment()))
+        else:
+            consumer.resume(partitions)
+
+    def revoked(self, consumer: Any) -> None:
+        if self.paused:
+            self._metrics.paused_partitions.set(len(consumer.assignment()))

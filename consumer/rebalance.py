@@ -1,0 +1,122 @@
+"""Rebalances: what the member does when the group gives it partitions or takes them away.
+
+Both kinds of protocol are handled, partition by partition:
+
+- eager (``range``, ``roundrobin``): every rebalance revokes the whole assignment, then assigns the new one;
+- incremental (``cooperative-sticky``, the default, and KIP-848's ``group.protocol=consumer``): only the
+  partitions that move are revoked or assigned, with ``incremental_assign`` / ``incremental_unassign``. The
+  other partitions keep being served through the rebalance: their waiting requests stay in the batcher and
+  their in-flight work goes on.
+
+A revoked partition is handed over cleanly: its requests that have not started are dropped (the next owner
+serves them from the last commit), its started ones get ``rebalance_drain_ms`` to be answered, what is
+answered is committed, and then its ledger is detached so that nothing it still holds can be committed. A
+lost partition (the member was too late: another member owns it already) is dropped without a commit.
+
+These callbacks run in the poll thread, inside ``consume()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from confluent_kafka import TopicPartition
+
+from kinference.consumer.commit import OffsetTracker, PartitionKey
+from kinference.consumer.flow import FlowControl
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class Rebalance:
+    def __init__(
+        self,
+        tracker: OffsetTracker,
+        flow: FlowControl,
+        discard: Callable[[list[PartitionKey]], list[Request]],
+        commit: Callable[[Any, list[PartitionKey]], None],
+        metrics: Metrics,
+        *,
+        incremental: bool,
+        drain_s: float,
+    ) -> None:
+        """``discard`` takes the not-yet-started requests of partitions out of the batcher; ``commit(consumer,
+        partitions)`` commits what is answered of them, synchronously."""
+        self._tracker = tracker
+        self._flow = flow
+        self._discard = discard
+        self._commit = commit
+        self._metrics = metrics
+        self._incremental = incremental
+        self._drain_s = drain_s
+        self.drain_until: float | None = None
+        """Shutdown: no revoke waits past this ``time.monotonic()``."""
+        self.partitions: set[PartitionKey] = set()
+        self.joined = threading.Event()
+        """Set at the first assignment, even an empty one: the member is in the group."""
+        self.group_metadata: Any = None
+        """The consumer's group generation, for ``send_offsets_to_transaction`` (zombie fencing). Read by the
+        publisher thread: asking the consumer from there blocks while the poll thread is inside it."""
+
+    def on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        keys = _keys(partitions)
+        self._tracker.assign(keys)
+        if self._incremental:
+            consumer.incremental_assign(partitions)
+            self.partitions |= set(keys)
+        else:
+            consumer.assign(partitions)
+            self.partitions = set(keys)
+        self._flow.assigned(consumer, partitions)
+        self.group_metadata = consumer.consumer_group_metadata()
+        self._metrics.assigned_partitions.set(len(self.partitions))
+        log.info("assigned %s", _names(keys))
+        self.joined.set()
+
+    def on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        keys = _keys(partitions)
+        # The commit below must carry the generation the group has now (exactly-once: KIP-447 fencing).
+        self.group_metadata = consumer.consumer_group_metadata()
+        dropped = self._discard(keys)
+        self._tracker.abandon(dropped)
+        self._metrics.rebalance_dropped.inc(len(dropped))
+        wait_s = self._drain_s if self.drain_until is None else max(0.0, min(self._drain_s,
+                                                                             self.drain_until - time.monotonic()))
+        if not self._tracker.wait_idle(wait_s, keys):
+            log.warning("revoke: in-flight requests of %s not answered within %.1f s; the next owner may answer "
+                        "them again", _names(keys), wait_s)
+        self._commit(consumer, keys)
+        self._forget(consumer, partitions, keys)
+        log.info("revoked %s (%d waiting requests left to the next owner)", _names(keys), len(dropped))
+
+    def on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        """Taken away without a clean revoke: another member owns them already, so committing would be wrong."""
+        keys = _keys(partitions)
+        self._discard(keys)
+        self._forget(consumer, partitions, keys)
+        log.warning("lost %s", _names(keys))
+
+    def _forget(self, consumer: Any, partitions: list[TopicPartition], keys: list[PartitionKey]) -> None:
+        self._tracker.revoke(keys)
+        if self._incremental:
+            consumer.incremental_unassign(partitions)
+        else:
+            consumer.unassign()
+        self.partitions -= set(keys)
+        self.group_metadata = consumer.consumer_group_metadata()
+        self._flow.revoked(consumer)
+        self._metrics.assigned_partitions.set(len(self.partitions))
+
+
+def _keys(partitions: Iterable[TopicPartition]) -> list[PartitionKey]:
+    return [(tp.topic, tp.partition) for tp in partitions]
+
+
+def _names(keys: list[PartitionKey]) -> str:
+    return ", ".join(f"{topic}[{partition}]" for topic, partition in keys) or "nothing"

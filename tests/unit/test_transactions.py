@@ -1,0 +1,236 @@
+"""The exactly-once publisher's transactional contract, with a fake transactional producer (pure logic)."""
+
+from __future__ import annotations
+
+import time
+
+from confluent_kafka import KafkaError, KafkaException
+
+from kinference.consumer.commit import OffsetTracker
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.transactions import ABORTS_BEFORE_UNHEALTHY, MemberSlot, TransactionalPublisher
+from kinference.protocol import encode_result
+from tests.fakes import make_request
+
+P0 = ("requests", 0)
+
+
+def retriable(code=KafkaError._TIMED_OUT):
+    return KafkaException(KafkaError(code, "try again", retriable=True))
+
+
+def abortable(code=KafkaError.INVALID_PRODUCER_EPOCH):
+    return KafkaException(KafkaError(code, "abort it", txn_requires_abort=True))
+
+
+def fatal(code=KafkaError._FENCED):
+    return KafkaException(KafkaError(code, "fenced", fatal=True))
+
+
+class FakeTxnProducer:
+    """Holds records in the open transaction; ``failures[name]`` lists what each call of that method raises
+    (None: succeed). ``fate(topic)`` is a record's delivery error, reported when the transaction commits."""
+
+    def __init__(self, failures=None, fate=lambda topic: None):
+        self.failures = {name: list(errors) for name, errors in (failures or {}).items()}
+        self.fate = fate
+        self.calls: list[str] = []
+        self.open: list = []
+        self.committed: list[tuple[list[tuple[str, bytes]], list[tuple[str, int, int]]]] = []
+        self.offsets: list = []
+        self.pending_reports: list = []
+
+    def _call(self, name):
+        self.calls.append(name)
+        errors = self.failures.get(name)
+        if errors:
+            error = errors.pop(0)
+            if error is not None:
+                raise error
+
+    def init_transactions(self, timeout):
+        self._call("init")
+
+    def begin_transaction(self):
+        self._call("begin")
+        self.open, self.offsets = [], []
+
+    def produce(self, topic, value, key, headers=None, on_delivery=None, partition=-1):
+        self.open.append((topic, value, on_delivery))
+
+    def send_offsets_to_transaction(self, positions, metadata, timeout):
+        self._call("send_offsets")
+        self.offsets = [(tp.topic, tp.partition, tp.offset) for tp in positions]
+
+    def commit_transaction(self, timeout):
+        refused = False
+        for topic, _value, on_delivery in self.open:  # commit flushes: every record gets its report
+            error = self.fate(topic)
+            refused |= error is not None
+            on_delivery(error, None)
+        if refused:
+            raise abortable(KafkaError._INCONSISTENT)
+        self._call("commit")
+        self.committed.append(([(topic, value) for topic, value, _ in self.open], self.offsets))
+        self.open = []
+
+    def abort_transaction(self, timeout):
+        self._call("abort")
+        self.open = []
+
+    def poll(self, timeout=0):
+        return 0
+
+    def flush(self, timeout=0):
+        return 0
+
+    def purge(self, **_):
+        pass
+
+    def __len__(self):
+        return len(self.open)
+
+
+def publisher_with(producer: FakeTxnProducer, tracker: OffsetTracker) -> TransactionalPublisher:
+    publisher = TransactionalPublisher({}, "tid", "dead", tracker, group_metadata=lambda: "generation-1",
+                                       queue_size=100, metrics=Metrics(), commit_interval_s=0.05,
+                                       producer_factory=lambda config: producer)
+    publisher.start()
+    return publisher
+
+
+def tracked(tracker, offset, value=None, topic="requests"):
+    request = make_request({"x": offset}, offset=offset, topic=topic)
+    request.reply_value = encode_result(value if value is not None else {"x": offset})
+    request.ledger = tracker.track((request.topic, request.partition), request.offset)
+    return request
+
+
+def wait_for(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def new_tracker():
+    tracker = OffsetTracker()
+    tracker.assign([P0])
+    return tracker
+
+
+def test_replies_and_their_offsets_commit_together_in_offset_runs():
+    tracker, producer = new_tracker(), FakeTxnProducer()
+    publisher = publisher_with(producer, tracker)
+    first, second, third = (tracked(tracker, offset) for offset in (0, 1, 2))
+    publisher.submit([third, first])  # 1 missing: only offset 0 can commit
+    assert wait_for(lambda: producer.committed)
+    assert producer.committed[0][1] == [("requests", 0, 1)] and len(producer.committed[0][0]) == 1
+    assert publisher.held == 1  # third waits for second, and counts towards backpressure
+    publisher.submit([second])
+    assert wait_for(lambda: len(producer.committed) == 2)
+    assert producer.committed[1][1] == [("requests", 0, 3)] and len(producer.committed[1][0]) == 2
+    publisher.stop(5)
+    assert publisher.held == 0 and publisher.failure is None
+
+
+def test_a_retriable_commit_error_repeats_the_same_call_and_never_aborts():
+    tracker = new_tracker()
+    producer = FakeTxnProducer({"commit": [retriable(), retriable(), None]})
+    publisher = publisher_with(producer, tracker)
+    publisher.submit([tracked(tracker, 0)])
+    assert wait_for(lambda: producer.committed)
+    publisher.stop(5)
+    assert "abort" not in producer.calls and producer.calls.count("begin") == 1
+    assert producer.calls.count("commit") == 3 and len(producer.committed) == 1
+
+
+def test_an_abortable_error_aborts_and_the_next_transaction_answers_the_same_requests():
+    tracker = new_tracker()
+    producer = FakeTxnProducer({"send_offsets": [abortable(), None]})
+    publisher = publisher_with(producer, tracker)
+    request = tracked(tracker, 0)
+    publisher.submit([request])
+    assert wait_for(lambda: producer.committed)
+    publisher.stop(5)
+    assert producer.calls[:4] == ["init", "begin", "send_offsets", "abort"]
+    (records, offsets), = producer.committed
+    assert [topic for topic, _ in records] == ["replies"] and offsets == [("requests", 0, 1)]
+
+
+def test_a_reply_refused_for_good_is_replaced_by_a_dead_letter_in_the_next_transaction():
+    tracker = new_tracker()
+    unknown = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
+    producer = FakeTxnProducer(fate=lambda topic: unknown if topic == "nowhere" else None)
+    publisher = publisher_with(producer, tracker)
+    lost, fine = tracked(tracker, 0), tracked(tracker, 1)
+    lost.reply_topic = "nowhere"
+    publisher.submit([lost, fine])
+    assert wait_for(lambda: producer.committed)
+    publisher.stop(5)
+    assert "abort" in producer.calls
+    (records, offsets), = producer.committed
+    assert sorted(topic for topic, _ in records) == ["dead", "replies"] and offsets == [("requests", 0, 2)]
+
+
+def test_a_record_that_only_timed_out_goes_into_the_next_transaction_unchanged():
+    tracker = new_tracker()
+    outcomes = iter([KafkaError(KafkaError._MSG_TIMED_OUT)])
+    producer = FakeTxnProducer(fate=lambda topic: next(outcomes, None))
+    publisher = publisher_with(producer, tracker)
+    publisher.submit([tracked(tracker, 0)])
+    assert wait_for(lambda: producer.committed)
+    publisher.stop(5)
+    (records, _), = producer.committed
+    assert [topic for topic, _ in records] == ["replies"]  # no dead letter for a passing failure
+
+
+def test_a_fatal_error_stops_the_publisher_without_reinitialising():
+    tracker = new_tracker()
+    producer = FakeTxnProducer({"commit": [fatal()]})
+    publisher = publisher_with(producer, tracker)
+    publisher.submit([tracked(tracker, 0)])
+    assert wait_for(lambda: not publisher.alive)
+    assert publisher.failure is not None and "fenced" in publisher.failure
+    assert producer.calls.count("init") == 1 and not producer.committed
+
+
+def test_aborts_in_a_row_make_the_service_unhealthy():
+    tracker = new_tracker()
+    producer = FakeTxnProducer({"send_offsets": [abortable()] * (ABORTS_BEFORE_UNHEALTHY + 5)})
+    publisher = publisher_with(producer, tracker)
+    publisher.submit([tracked(tracker, 0)])
+    assert wait_for(lambda: publisher.failure is not None)
+    assert f"{ABORTS_BEFORE_UNHEALTHY} transactions in a row" in publisher.failure
+    assert producer.calls.count("abort") == ABORTS_BEFORE_UNHEALTHY and not producer.committed
+    publisher.stop(5)
+
+
+def test_a_stale_request_of_a_revoked_assignment_never_replaces_the_new_one():
+    """Revoked and handed back: a late copy from the old assignment arrives after the new one. Held replies are
+    keyed by assignment, so the new request's reply is the one committed, and the stale one is dropped."""
+    tracker = new_tracker()
+    producer = FakeTxnProducer()
+    publisher = publisher_with(producer, tracker)
+    stale = tracked(tracker, 0, value={"assignment": "old"})
+    tracker.revoke([P0])
+    tracker.assign([P0])
+    fresh = tracked(tracker, 0, value={"assignment": "new"})
+    publisher.submit([fresh, stale])
+    assert wait_for(lambda: producer.committed)
+    publisher.stop(5)
+    (records, offsets), = producer.committed
+    assert records == [("replies", encode_result({"assignment": "new"}))] and offsets == [("requests", 0, 1)]
+
+
+def test_member_slots_are_stable_per_host_and_distinct_between_live_members(tmp_path):
+    first, second = MemberSlot("group/a", tmp_path), MemberSlot("group/a", tmp_path)
+    assert (first.slot, second.slot) == (0, 1)
+    assert first.transactional_id("group/a") != second.transactional_id("group/a")
+    first.close()  # the member with slot 0 died: its successor gets the same slot, hence the same id
+    successor = MemberSlot("group/a", tmp_path)
+    assert successor.slot == 0
+    other_group = MemberSlot("group-b", tmp_path)
+    assert other_group.slot == 0
+    for slot in (second, successor, other_group):
+        slot.close()
