@@ -172,9 +172,14 @@ class ServiceConfig(BaseModel):
         description="at-least-once: replies, then offsets; exactly-once: replies and offsets in one "
         "transaction (clients read replies with isolation.level=read_committed).",
     )
+    transaction_call_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="exactly-once: how long one call of the transactional API (send "
+        "offsets, commit, abort) may take; one that times out is made again, as librdkafka prescribes.",
+    )
     transactional_id: str | None = Field(
-        None, min_length=1, description="exactly-once: the producer's transactional.id, unique per instance "
-        "(default: kinference-<group_id>-<random>; a stable id per instance fences a crashed predecessor sooner).",
+        None, min_length=1, description="exactly-once: the producer's transactional.id, unique per live member "
+        "(default: stable per member: from group.instance.id when set, else from the group, the host name and a "
+        "slot per host, so a restarted member fences its own predecessor at once).",
     )
 
     # --- Flow control and limits

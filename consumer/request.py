@@ -4,6 +4,7 @@ reply and dead-letter records carry. The names and formats themselves are in ``k
 
 from __future__ import annotations
 
+import ctypes
 import re
 import time
 from collections.abc import Callable
@@ -211,15 +212,41 @@ def _timestamp(record: Any) -> float | None:
 
 
 def _headers(record: Any, request: Request) -> Headers:
-    """The record's headers. confluent-kafka raises SystemError for a header name that is not UTF-8 (and
-    caches a broken list: the accessor must not be called again on that record)."""
+    """The record's headers, or ``RequestError`` when they cannot be read.
+
+    confluent-kafka builds each ``(name, value)`` tuple without checking that the name decoded as UTF-8. For a
+    name that is not UTF-8 the tuple keeps a NULL where the name should be, and either ``headers()`` raises
+    ``SystemError`` (the decode error still pending) or, when a later header's decode cleared that error, it
+    returns the broken list, which crashes the interpreter as soon as the name is touched. So the raw tuple slots
+    are looked at before anything touches a name, and the accessor is never called twice on a record.
+    """
     try:
-        return record.headers() or []
+        headers = record.headers() or []
+        # The decode error may also surface only at the next call that checks for one: keep that inside too.
+        failure: Exception | None = None if _intact(headers) else ValueError("a header name is not UTF-8")
     except Exception as exc:
-        request.unroutable = True
-        cause = exc.__cause__ or exc.__context__ or exc
-        raise RequestError(f"the record's headers cannot be read (a header name that is not UTF-8?): {cause!r}",
-                           ErrorCode.BAD_REQUEST) from exc
+        failure = exc
+    if failure is None:
+        return headers
+    request.unroutable = True
+    cause = failure.__cause__ or failure.__context__ or failure
+    raise RequestError(f"the record's headers cannot be read (a header name that is not UTF-8?): {cause!r}",
+                       ErrorCode.BAD_REQUEST) from failure
+
+
+_SLOT0 = tuple.__basicsize__
+"""Offset of a tuple's first item pointer from the tuple's address (CPython's object layout)."""
+
+
+def _intact(headers: list[Any]) -> bool:
+    """Every header is a 2-tuple whose name slot holds an object: checked on the raw pointer, since reading a
+    NULL slot from Python crashes. Iterating the list and taking each tuple's length are safe."""
+    for header in headers:
+        if type(header) is not tuple or len(header) != 2:
+            return False
+        if not ctypes.c_void_p.from_address(id(header) + _SLOT0).value:
+            return False
+    return True
 
 
 def _has_header(headers: Headers, name: str) -> bool:

@@ -127,6 +127,7 @@ class Service:
                 queue_size=queue_size,
                 metrics=self.metrics,
                 commit_interval_s=config.commit_interval_ms / 1000,
+                timeout_s=config.transaction_call_timeout_s,
             )
             self.publisher = committer = publisher
         else:
@@ -233,13 +234,15 @@ class Service:
         if source is None or pipeline is None or publisher is None or batcher is None or lag is None:
             return  # unreachable once started; spelled out for the type checker
         source.drain()
-        if not self.tracker.wait_idle(max(0.0, deadline - reserve_s - time.monotonic())):
+        # With the publisher gone, in-flight work can never be answered: waiting for it only delays the restart.
+        drain_until = deadline - reserve_s if publisher.alive else time.monotonic()
+        if not self.tracker.wait_idle(max(0.0, drain_until - time.monotonic())):
             log.warning("shutdown: %d requests still in flight; they stay uncommitted and are served again after a "
                         "restart", self.tracker.in_flight)
         batcher.close()
         # Idle stages stop within a poll interval; busy ones get what is left of the drain time, and a quarter of
         # the reserve. Then the publisher flushes, and the source commits and leaves the group.
-        stages_stopped = pipeline.stop(max(0.0, deadline - reserve_s - time.monotonic()) + reserve_s / 4)
+        stages_stopped = pipeline.stop(max(0.0, drain_until - time.monotonic()) + reserve_s / 4)
         publisher.stop(max(0.0, deadline - reserve_s / 2 - time.monotonic()))
         source.close(deadline)
         lag.stop()

@@ -41,6 +41,7 @@ class Poison(Handler):
     alone). A request's ``"poison"`` field picks the fault:
 
     - ``validate_crash``: ``validate`` raises ``ValueError`` (an unexpected error for one item);
+    - ``cost_crash`` / ``cost_text``: ``cost`` raises, or returns ``"12"`` instead of a token count;
     - ``item_error``: ``postprocess`` puts an ``InvalidInput`` in that item's slot;
     - ``unserialisable``: its result holds an object orjson cannot encode;
     - ``deep``: its result is nested 300 levels deep (orjson encodes at most 254);
@@ -70,6 +71,11 @@ class Poison(Handler):
         if payload.get("poison") == "validate_crash":
             raise ValueError("validate blew up on this item")
         return payload
+
+    def cost(self, item: Any) -> Any:
+        if item.get("poison") == "cost_crash":
+            raise ValueError("cost blew up on this item")
+        return "12" if item.get("poison") == "cost_text" else None
 
     def preprocess(self, items: list[Any]) -> list[Any]:
         self.record.add(self.record.preprocessed, items)

@@ -3,6 +3,7 @@ fenced), restarted mid-run with durable S3 storage (nothing lost). Each test run
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -29,10 +30,11 @@ TOPICS = {"requests": 3, "replies": 1, "dead": 1}
 
 
 def config_for(bootstrap: str, group: str, **overrides) -> ServiceConfig:
-    return ServiceConfig(bootstrap_servers=bootstrap, request_topics=["requests"], reply_topic="replies",
-                         dead_letter_topic="dead", group_id=group, handler="echo",
-                         kafka_consumer=TEST_CONSUMER_PROPERTIES,
-                         commit_interval_ms=200, metrics_host="127.0.0.1", metrics=True, metrics_port=0, **overrides)
+    values = {"bootstrap_servers": bootstrap, "request_topics": ["requests"], "reply_topic": "replies",
+              "dead_letter_topic": "dead", "group_id": group, "handler": "echo",
+              "kafka_consumer": TEST_CONSUMER_PROPERTIES, "commit_interval_ms": 200, "metrics_host": "127.0.0.1",
+              "metrics": True, "metrics_port": 0}
+    return ServiceConfig(**{**values, **overrides})
 
 
 def readyz(service: Service) -> tuple[int, dict]:
@@ -177,5 +179,51 @@ def test_broker_restart_with_durable_storage_loses_nothing(s3_server, monkeypatc
             assert committed(bootstrap, config.group_id, list(ends)) == dict(ends), "not every request answered"
             assert service.metrics.replies.labels("ok")._value.get() >= total  # duplicates allowed, loss not
             assert service.healthy
+    finally:
+        broker.stop()
+
+
+def test_a_broker_paused_longer_than_the_delivery_timeout_loses_nothing_and_dead_letters_nothing():
+    """SIGSTOP the broker for 8 s while replies are being produced, with librdkafka's delivery timeout at 3 s:
+    each reply in the air fails with _MSG_TIMED_OUT. That is not the record's fault: it is produced again with
+    backoff, never dead-lettered. After SIGCONT every request is answered and committed.
+
+    Seen on Tansu: after the pause the same idempotent producer kept timing out (Tansu does not let it bump its
+    epoch past the lost sequence), so it is replaced once its stall reaches the stall timeout (33 s here: the
+    delivery timeout plus 30 s), and the new producer delivers at once. The member's session also expired during
+    the pause, so the group re-served some requests (at-least-once duplicates)."""
+    port = free_port()
+    bootstrap = f"127.0.0.1:{port}"
+    broker = EmbeddedBroker(port=port).start()
+    try:
+        create_topics(bootstrap, TOPICS)
+        config = config_for(bootstrap, "paused-broker", handler="tests.faults.handlers:TaggedEcho",
+                            handler_options={"delay_s": 0.2}, max_batch_size=4,
+                            kafka_producer={"message.timeout.ms": "3000"})
+        total = 60  # 20 requests/s: answers go on for 3 s, across the pause
+        with Service(config) as service:
+            assert service.wait_ready(30)
+            produced = produce(bootstrap, "requests", [(None, orjson.dumps({"seq": i}), []) for i in range(total)])
+            time.sleep(1.0)
+            os.kill(broker.pid, signal.SIGSTOP)  # the broker started by this test, by PID
+            try:
+                time.sleep(8.0)
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 90
+            ends = dict(produced.ends)
+            while committed(bootstrap, config.group_id, list(ends)) != ends and time.monotonic() < deadline:
+                time.sleep(1.0)
+            replies = read(bootstrap, "replies", total, timeout_s=30)
+            dead = read(bootstrap, "dead", 1, timeout_s=2)
+            timed_out = service.metrics.delivery_failures.labels("reply")._value.get()
+            replaced = service.metrics.producer_replacements._value.get()
+            assert service.healthy, service.problems()
+        print(f"\npaused broker: {len(replies)} replies for {total} requests, {timed_out:.0f} reply deliveries timed "
+              f"out and were produced again, {replaced:.0f} producer replacements, {len(dead)} dead letters")
+        assert committed(bootstrap, config.group_id, list(ends)) == ends, "not every request answered"
+        assert {orjson.loads(m.value())["result"]["value"]["seq"] for m in replies} == set(range(total))
+        assert dead == [] and replaced <= 1
+        assert timed_out > 0, "no reply was in the air during the pause: the test did not exercise the retry"
     finally:
         broker.stop()

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kinference.consumer.service import Service
-from tests.integration.kafka_io import produce, read, service_config
+from tests.integration.kafka_io import committed, produce, read, service_config
 
 pytestmark = pytest.mark.integration
 
@@ -94,3 +94,51 @@ def test_metrics_count_what_was_sent_and_readiness_follows_assignment(broker):
     # The adaptive policy's cost model is exposed (NaN until enough batches of different sizes ran).
     assert {name for name, _ in metrics if name.startswith("kinference_batch_cost_")} == {
         "kinference_batch_cost_fixed_seconds", "kinference_batch_cost_per_unit_seconds"}
+
+
+def test_lag_keeps_growing_while_partitions_are_paused_and_matches_the_broker(broker):
+    """Lag is end offset minus committed offset, asked of the broker every lag_interval_s (what KEDA computes).
+    Before the fix it came from the consumer's cached watermarks, which stop moving exactly while backpressure
+    has the partitions paused: with 200 requests waiting it read the handful the member had fetched."""
+    topics = broker.topics(requests=1, replies=1, dead=1)
+    topic = topics["requests"]
+    config = service_config(broker.bootstrap_servers, topics, metrics_host="127.0.0.1", metrics=True, metrics_port=0,
+                            handler="tests.faults.handlers:TaggedEcho", handler_options={"delay_s": 0.5},
+                            max_batch_size=2, max_in_flight=4, max_poll_records=4)
+    with Service(config) as service:
+        assert service.wait_ready(30)
+        port = service.endpoints.port
+
+        def lag() -> float:
+            return value(samples(port), "kinference_consumer_lag", topic=topic, partition="0")
+
+        def send(start: int) -> None:  # one record per batch: Tansu's end offset is right only then (TANSU.md)
+            produce(broker.bootstrap_servers, topic, [(None, orjson.dumps({"seq": i}), [])
+                                                      for i in range(start, start + 100)], **{"batch.num.messages": 1})
+
+        send(0)
+        assert wait_for(lambda: service.source.paused and lag() >= 80), (service.source.paused, lag())
+        send(100)  # arrives while the partition is paused: no fetch brings its watermark
+        assert wait_for(lambda: lag() >= 180), lag()
+        first = lag()
+        time.sleep(3.0)  # the member answers 4 requests a second
+        later = lag()
+        group_committed = committed(broker.bootstrap_servers, config.group_id, [(topic, 0)])[(topic, 0)]
+    assert later == pytest.approx(200 - max(0, group_committed), abs=8)  # the broker's own figure, give or take
+    assert first - later >= 4, f"lag must fall as requests are answered: {first} -> {later}"
+
+
+def test_a_member_without_partitions_is_ready_as_a_standby(broker):
+    """More members than partitions: the extra member is in the group with nothing to do. It reports ready (a
+    standby that takes partitions over when another member leaves), not unready forever."""
+    topics = broker.topics(requests=1, replies=1, dead=1)
+    config = service_config(broker.bootstrap_servers, topics, metrics_host="127.0.0.1", metrics=True, metrics_port=0)
+    with Service(config) as first, Service(config) as second:
+        assert first.wait_ready(30) and second.wait_ready(60)
+        assert wait_for(lambda: len(first.source.rebalance.partitions) + len(second.source.rebalance.partitions) == 1,
+                        30)
+        idle = first if not first.source.rebalance.partitions else second
+        status, body = get(idle.endpoints.port, "/readyz")
+        checks = orjson.loads(body)["checks"]
+        assert status == 200 and checks["group_joined"] is True, body
+        assert value(samples(idle.endpoints.port), "kinference_assigned_partitions") == 0

@@ -1,0 +1,62 @@
+"""How a ``kinference serve`` process ends (issue 11, items 5-7): within its shutdown deadline even when a
+handler call never returns, and with exit code 1 (so that the orchestrator restarts it) when it cannot go on."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import orjson
+import pytest
+
+from tests.faults.harness import Group, now_ms
+from tests.integration.kafka_io import committed, produce
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+GRACE_S = 6.0
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_while_a_handler_is_stuck_exits_within_the_shutdown_deadline(fault_settings):
+    """A request makes its inference call sleep for two minutes. SIGTERM: the process commits what was
+    answered, leaves the group and exits by the deadline; the stuck request stays uncommitted (it is served
+    again after a restart), and ``handler.close`` is skipped since the handler is still busy."""
+    settings = fault_settings(1, extra=("--shutdown-grace-s", str(GRACE_S)))
+    topic = settings.topics["requests"]
+    with Group(settings) as group:
+        member = group.start("stuck")
+        group.wait_stable(40)
+        produce(settings.bootstrap, topic, [(None, orjson.dumps({"seq": i}), []) for i in range(5)])
+        time.sleep(2.0)  # answered and committed
+        produce(settings.bootstrap, topic, [(None, orjson.dumps({"seq": 5, "stall_s": 120}), [])])
+        time.sleep(1.0)  # inside the handler
+        sigterm_ms = now_ms()
+        member.terminate()
+        code = member.wait_exit(GRACE_S + 10)
+        took_s = (member.ended_ms - sigterm_ms) / 1000
+    print(f"\nstuck handler: SIGTERM -> exit {code} after {took_s:.1f} s (deadline {GRACE_S:g} s)")
+    assert code == 0, member.tail()
+    assert took_s < GRACE_S + 2.0, member.tail()
+    assert member.said("handler.close() is skipped"), member.tail()
+    assert committed(settings.bootstrap, settings.group_id, [(topic, 0)]) == {(topic, 0): 5}
+
+
+@pytest.mark.timeout(90)
+def test_a_request_nothing_can_answer_stops_the_service_with_exit_code_1(fault_settings):
+    """The dead-letter topic does not exist (and the producer may not create it), so a malformed request can be
+    neither dead-lettered nor, hence, committed. The service does not go on with that partition frozen while
+    /healthz stays green: it stops with exit code 1, and the committed offset stays before the record."""
+    missing = f"missing-dead-{uuid.uuid4().hex[:8]}"
+    settings = fault_settings(1, extra=("--dead-letter-topic", missing,
+                                        "--kafka-producer", "allow.auto.create.topics=false"))
+    topic = settings.topics["requests"]
+    with Group(settings) as group:
+        member = group.start("no-dead-letters")
+        group.wait_stable(40)
+        produce(settings.bootstrap, topic, [(None, orjson.dumps({"seq": 0}), []), (None, b"{not json", []),
+                                            (None, orjson.dumps({"seq": 2}), [])])
+        code = member.wait_exit(60)  # librdkafka waits topic.metadata.propagation.max.ms (30 s) for the topic
+    assert code == 1, member.tail()
+    assert member.said("cannot answer the request") and member.said("exit code 1"), member.tail()
+    assert committed(settings.bootstrap, settings.group_id, [(topic, 0)])[(topic, 0)] <= 1

@@ -1,0 +1,179 @@
+"""The poll thread's pieces with a fake consumer (pure logic): intake, rebalances, flow control, fatal errors."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, TopicPartition
+
+from kinference.consumer.commit import OffsetTracker
+from kinference.consumer.config import ServiceConfig
+from kinference.consumer.flow import FlowControl
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.request import RequestDecoder
+from kinference.consumer.source import Source
+from tests.fakes import FakeRecord
+
+
+class FakeConsumer:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.batches: list[list[Any]] = []
+        self.calls: list[tuple[str, Any]] = []
+        self._assignment: list[TopicPartition] = []
+        self.positions: dict[tuple[str, int], int] = {}
+
+    def subscribe(self, topics, on_assign, on_revoke, on_lost):
+        self.on_assign, self.on_revoke = on_assign, on_revoke
+
+    def consume(self, n, timeout):
+        return self.batches.pop(0) if self.batches else []
+
+    def poll(self, timeout):
+        time.sleep(0.001)
+        return None
+
+    def position(self, partitions):
+        return [TopicPartition(tp.topic, tp.partition, self.positions.get((tp.topic, tp.partition), -1001))
+                for tp in partitions]
+
+    def assignment(self):
+        return list(self._assignment)
+
+    def assign(self, partitions):
+        self.calls.append(("assign", [tp.partition for tp in partitions]))
+        self._assignment = list(partitions)
+
+    def unassign(self):
+        self.calls.append(("unassign", None))
+        self._assignment = []
+
+    def incremental_assign(self, partitions):
+        self.calls.append(("incremental_assign", [tp.partition for tp in partitions]))
+        self._assignment += partitions
+
+    def incremental_unassign(self, partitions):
+        self.calls.append(("incremental_unassign", [tp.partition for tp in partitions]))
+        gone = {(tp.topic, tp.partition) for tp in partitions}
+        self._assignment = [tp for tp in self._assignment if (tp.topic, tp.partition) not in gone]
+
+    def pause(self, partitions):
+        self.calls.append(("pause", sorted(tp.partition for tp in partitions)))
+
+    def resume(self, partitions):
+        self.calls.append(("resume", sorted(tp.partition for tp in partitions)))
+
+    def seek(self, tp):
+        pass
+
+    def commit(self, offsets=None, asynchronous=True):
+        self.calls.append(("commit", [(tp.partition, tp.offset) for tp in offsets]))
+        return offsets
+
+    def consumer_group_metadata(self):
+        return "generation"
+
+    def close(self):
+        self.calls.append(("close", None))
+
+
+class Committer:
+    def maybe_commit(self, consumer, now):
+        pass
+
+    def commit(self, consumer, partitions=None):
+        consumer.calls.append(("commit", partitions))
+
+
+def make_source(**overrides: Any):
+    config = ServiceConfig(request_topics=["requests"], **overrides)
+    tracker, routed, rejected = OffsetTracker(), [], []
+
+    def route(request):
+        if request.payload == "explode":
+            raise RuntimeError("routing bug")
+        routed.append(request)
+
+    source = Source(config, RequestDecoder("replies", 1000), tracker, route, rejected.append, lambda keys: [],
+                    Committer(), in_flight=lambda: tracker.in_flight, metrics=Metrics(), consumer_factory=FakeConsumer)
+    return source, source._consumer, tracker, routed, rejected
+
+
+def tp(partition: int) -> TopicPartition:
+    return TopicPartition("requests", partition)
+
+
+class Broken(FakeRecord):
+    def headers(self):
+        raise SystemError("returned a result with an exception set")
+
+    def error(self):
+        return None
+
+
+class Record(FakeRecord):
+    def error(self):
+        return None
+
+
+def test_every_record_of_a_batch_is_tracked_and_answered_whatever_one_of_them_does():
+    source, consumer, tracker, routed, rejected = make_source()
+    source.rebalance.on_assign(consumer, [tp(0)])
+    batch = [Record(b'"a"', offset=0), Broken(b'"b"', offset=1), Record(b'"explode"', offset=2),
+             Record(b'"c"', offset=3)]
+    consumer.positions[("requests", 0)] = 4
+    source._intake(batch)
+    assert [r.offset for r in routed] == [0, 1, 3]  # the broken record is routed as a failed request
+    assert routed[1].unroutable and routed[1].dead_letter
+    assert [(r.offset, r.error.code) for r in rejected] == [(2, "internal_error")]
+    assert tracker.in_flight == 4  # all tracked: the commit cannot pass any of them unanswered
+
+
+def test_a_record_the_consumer_passed_without_the_tracker_is_a_gap():
+    source, consumer, tracker, routed, _ = make_source()
+    source.rebalance.on_assign(consumer, [tp(0)])
+    consumer.positions[("requests", 0)] = 5  # the consumer moved past offsets 1..4, never handed over
+    source._intake([Record(b'"a"', offset=0)])
+    tracker.finish(routed[0])
+    ledger = routed[0].ledger
+    assert ledger.gap == 1 and tracker.commit_offsets()[0].offset == 1
+
+
+@pytest.mark.parametrize(("strategy", "assign", "unassign"), [
+    ("cooperative-sticky", "incremental_assign", "incremental_unassign"),
+    ("range", "assign", "unassign"),
+])
+def test_rebalances_use_the_protocol_s_own_calls_and_commit_what_moves(strategy, assign, unassign):
+    source, consumer, _, _, _ = make_source(kafka_consumer={"partition.assignment.strategy": strategy})
+    source.rebalance.on_assign(consumer, [tp(0), tp(1)])
+    source.rebalance.on_revoke(consumer, [tp(1)])
+    names = [name for name, _ in consumer.calls]
+    assert names[0] == assign and unassign in names
+    assert ("commit", [("requests", 1)]) in consumer.calls  # the revoked partition's answers, before it moves
+    assert source.rebalance.partitions == {("requests", 0)} and source.rebalance.joined.is_set()
+
+
+def test_a_partition_assigned_back_after_a_pause_is_resumed():
+    """librdkafka keeps a partition's pause across an unassign: assigned back, it must be resumed explicitly."""
+    flow = FlowControl(max_in_flight=10, resume_in_flight=5, metrics=Metrics())
+    consumer = FakeConsumer({})
+    consumer.assign([tp(0)])
+    flow.update(consumer, in_flight=10)  # paused
+    consumer.unassign()
+    flow.update(consumer, in_flight=0)  # resumes nothing: nothing is assigned
+    consumer.calls.clear()
+    flow.assigned(consumer, [tp(0)])
+    assert consumer.calls == [("resume", [0])]
+
+
+def test_a_fatal_consumer_error_ends_the_poll_loop():
+    source, consumer, _, _, _ = make_source()
+    source.start()
+    source._on_client_error(KafkaError(KafkaError._FENCED, "fenced by a newer instance", fatal=True))
+    deadline = time.monotonic() + 5
+    while source._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not source.alive and source.fatal.code() == KafkaError._FENCED
+    assert ("close", None) in consumer.calls and not any(name == "commit" for name, _ in consumer.calls)
