@@ -48,15 +48,17 @@ def test_a_request_nothing_can_answer_stops_the_service_with_exit_code_1(fault_s
     neither dead-lettered nor, hence, committed. The service does not go on with that partition frozen while
     /healthz stays green: it stops with exit code 1, and the committed offset stays before the record."""
     missing = f"missing-dead-{uuid.uuid4().hex[:8]}"
+    # librdkafka waits topic.metadata.propagation.max.ms (30 s by default) for a topic to appear: 2 s here.
     settings = fault_settings(1, extra=("--dead-letter-topic", missing,
-                                        "--kafka-producer", "allow.auto.create.topics=false"))
+                                        "--kafka-producer", "allow.auto.create.topics=false",
+                                        "--kafka-producer", "topic.metadata.propagation.max.ms=2000"))
     topic = settings.topics["requests"]
     with Group(settings) as group:
         member = group.start("no-dead-letters")
         group.wait_stable(40)
         produce(settings.bootstrap, topic, [(None, orjson.dumps({"seq": 0}), []), (None, b"{not json", []),
                                             (None, orjson.dumps({"seq": 2}), [])])
-        code = member.wait_exit(60)  # librdkafka waits topic.metadata.propagation.max.ms (30 s) for the topic
+        code = member.wait_exit(60)
     assert code == 1, member.tail()
     assert member.said("cannot answer the request") and member.said("exit code 1"), member.tail()
     assert committed(settings.bootstrap, settings.group_id, [(topic, 0)])[(topic, 0)] <= 1
