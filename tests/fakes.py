@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from typing import Any
 
 from kinference.consumer.request import Request
@@ -47,3 +49,11 @@ def make_request(payload: Any = None, *, partition: int = 0, offset: int | None 
     return Request(topic=topic, partition=partition, offset=offset, key=None, value=None, headers=[],
                    received=received, correlation_id=f"c{offset}", reply_topic="replies",
                    deadline_ms=deadline_ms, payload=payload)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout_s`` passes; its last value (for threads under test)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()

@@ -183,13 +183,18 @@ class FakeConsumer:
         return None
 
 
-def test_committer_commits_asynchronously_on_its_interval_and_learns_from_the_report():
+def answered_once() -> tuple[ConsumerCommitter, OffsetTracker, Metrics]:
+    """A committer whose tracker has one answered record at offset 0 of P0."""
     tracker, metrics = OffsetTracker(), Metrics()
-    committer = ConsumerCommitter(tracker, metrics, interval_s=1.0)
     tracker.assign([P0])
     request = make_request(offset=0)
     track(tracker, request)
     tracker.finish(request)
+    return ConsumerCommitter(tracker, metrics, interval_s=1.0), tracker, metrics
+
+
+def test_committer_commits_asynchronously_on_its_interval_and_learns_from_the_report():
+    committer, _, metrics = answered_once()
     consumer = FakeConsumer()
     committer.maybe_commit(consumer, now=100.0)
     committer.maybe_commit(consumer, now=100.5)  # within the interval: nothing
@@ -202,12 +207,7 @@ def test_committer_commits_asynchronously_on_its_interval_and_learns_from_the_re
 
 
 def test_committer_counts_a_failed_commit_and_retries_later():
-    tracker, metrics = OffsetTracker(), Metrics()
-    committer = ConsumerCommitter(tracker, metrics, interval_s=1.0)
-    tracker.assign([P0])
-    request = make_request(offset=0)
-    track(tracker, request)
-    tracker.finish(request)
+    committer, tracker, metrics = answered_once()
     committer.on_commit(KafkaError(KafkaError.REBALANCE_IN_PROGRESS), [TopicPartition("requests", 0, 1)])
     committer.commit(FakeConsumer(fail_sync=True), [P0])
     assert metrics.commit_failures._value.get() == 2

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 from confluent_kafka import KafkaError, KafkaException
 
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.publisher import Publisher
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode, encode_result
-from tests.fakes import make_request
+from tests.fakes import make_request, wait_for
 
 
 class FakeMessage:
@@ -87,12 +85,6 @@ def ok_request(**kwargs):
     request.reply_value = encode_result({"x": 1})
     return request
 
-
-def wait_for(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_request_is_answered_only_after_reply_and_dead_letter_are_delivered():

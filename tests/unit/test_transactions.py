@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 from confluent_kafka import KafkaError, KafkaException
 
 from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.transactions import ABORTS_BEFORE_UNHEALTHY, MemberSlot, TransactionalPublisher
 from kinference.protocol import encode_result
-from tests.fakes import make_request
+from tests.fakes import make_request, wait_for
 
 P0 = ("requests", 0)
 
@@ -105,12 +103,6 @@ def tracked(tracker, offset, value=None, topic="requests"):
     request.ledger = tracker.track((request.topic, request.partition), request.offset)
     return request
 
-
-def wait_for(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return predicate()
 
 
 def new_tracker():
