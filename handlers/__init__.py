@@ -11,6 +11,7 @@ BUILTIN = {
     "echo": "kinference.handlers.echo:EchoHandler",
     "embedding": "kinference.handlers.embedding:EmbeddingHandler",
     "text-classification": "kinference.handlers.classification:TextClassificationHandler",
+    "sim": "kinference.handlers.sim:SimulatedAccelerator",
 }
 
 __all__ = ["BUILTIN", "Handler", "HandlerContext", "load_handler"]

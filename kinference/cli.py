@@ -38,6 +38,8 @@ COMMANDS = {
                     "broker + service + bundled model + load sweep, one command"),
     "bench": Command("kinference.loadgen.bench", "serve,loadgen,embedded",
                      "every scenario side by side on one embedded broker"),
+    "drain": Command("kinference.loadgen.drain", "serve,loadgen,embedded",
+                     "how fast each contender drains a backlog, and where its time goes"),
 }
 
 

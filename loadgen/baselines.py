@@ -1,6 +1,7 @@
 """What ``kinference bench`` compares kinference with: plain confluent-kafka loops, written the way users write them.
 
-- ``Relay``: consume -> produce, each value echoed as is (the transport ceiling, no model).
+- ``Relay``: consume -> produce, each value echoed as is (the transport ceiling, no model);
+  ``CommittingRelay`` also commits what it answered, for ``kinference drain``.
 - ``PerMessageLoop``: poll one record, embed its text, produce the reply, repeat.
 - ``StaticBatchLoop``: TorchServe's batching semantics (a batch leaves with ``batch_size`` records, or
   ``max_delay_ms`` after its first record arrived) with the stages run one after another: collect,
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 import orjson
-from confluent_kafka import Consumer, Message, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 
 from kinference.protocol import BATCH_SIZE, CORRELATION_ID, REPLY_TO, SPRING_REPLY_PARTITION
 
@@ -50,6 +51,8 @@ class LoopThread(ABC):
     """A consume -> reply loop in its own thread, with an explicit start/stop lifecycle."""
 
     name = "loop"
+    consumer_overrides: dict[str, str] = {}
+    """Consumer settings this loop needs beyond ``TRANSPORT_CONSUMER``."""
 
     def __init__(self, bootstrap_servers: str, request_topic: str, group_id: str | None = None) -> None:
         self.bootstrap_servers = bootstrap_servers
@@ -64,7 +67,7 @@ class LoopThread(ABC):
 
     def start(self) -> LoopThread:
         self.consumer = Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": self.group_id,
-                                  **TRANSPORT_CONSUMER})
+                                  **TRANSPORT_CONSUMER, **self.consumer_overrides})
         self.producer = Producer({"bootstrap.servers": self.bootstrap_servers, **TRANSPORT_PRODUCER})
         self.consumer.subscribe([self.request_topic], on_assign=lambda _consumer, _parts: self.assigned.set())
         self._thread = threading.Thread(target=self._run, name=f"bench-{self.name}", daemon=True)
@@ -137,6 +140,32 @@ class Relay(LoopThread):
         for record in (first, *self.consumer.consume(500, 0)):
             if record.error() is None:
                 self.reply(record, record.value() or b"")
+
+
+class CommittingRelay(Relay):
+    """The relay as an at-least-once user writes it, for ``kinference drain``: every ``commit_interval_s`` it
+    waits for its replies to be acknowledged, then commits what it consumed."""
+
+    name = "relay"
+    consumer_overrides = {"enable.auto.commit": "false"}  # the same settings, but the commits are its own
+
+    def __init__(self, bootstrap_servers: str, request_topic: str, commit_interval_s: float,
+                 group_id: str | None = None) -> None:
+        super().__init__(bootstrap_servers, request_topic, group_id)
+        self.commit_interval_s = commit_interval_s
+        self._next_commit = 0.0
+
+    def step(self) -> None:
+        super().step()
+        if time.monotonic() >= self._next_commit:
+            self._next_commit = time.monotonic() + self.commit_interval_s
+            assert self.producer is not None and self.consumer is not None
+            self.producer.flush()
+            try:
+                self.consumer.commit(asynchronous=False)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError._NO_OFFSET:  # nothing consumed since the last commit
+                    raise
 
 
 class PerMessageLoop(LoopThread):

@@ -27,21 +27,16 @@ import datetime
 import itertools
 import logging
 import math
-import multiprocessing
-import multiprocessing.connection
 import os
 import platform
 import sys
 import tempfile
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from multiprocessing.synchronize import Event
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,6 +56,7 @@ from kinference.handlers import Handler, HandlerContext, load_handler
 from kinference.loadgen.baselines import TRANSPORT_CONSUMER, LoopThread, MiniLM, PerMessageLoop, Relay, StaticBatchLoop
 from kinference.loadgen.cli import concurrency_list
 from kinference.loadgen.client import Client
+from kinference.loadgen.contender import READY_TIMEOUT_S, Serve, Topics, contender, ready_or_fail, setup_logging
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
 from kinference.loadgen.errors import ClientError
 from kinference.loadgen.live import ProgressView
@@ -71,7 +67,6 @@ from kinference.loadgen.runner import LoadPlan, RunResult, run_sweep
 log = logging.getLogger(__name__)
 
 Kind = Literal["ceiling", "transport", "baseline", "kinference"]
-Topics = dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -127,7 +122,6 @@ def default_setting(settings: Sequence[KinferenceSetting] = KINFERENCE_SETTINGS)
 
 _SERVE_KAFKA = {key: TRANSPORT_CONSUMER[key] for key in ("session.timeout.ms", "heartbeat.interval.ms",
                                                           "fetch.wait.max.ms")}
-_READY_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -139,40 +133,40 @@ class Scenario:
     name: str
     kind: Kind
     about: str
-    serve: Callable[[str, Topics], AbstractContextManager[object]] | None = None
+    serve: Serve | None = None
+    """Picklable (``contender`` sends it to a child process)."""
     order: Literal["fifo", "grouped"] | None = None
 
 
-def _kinference(overrides: dict[str, Any], handler: str = "embedding") -> Callable[[str, Topics], Any]:
-    @contextmanager
-    def serve(bootstrap_servers: str, topics: Topics) -> Iterator[object]:
-        config = ServiceConfig(
-            bootstrap_servers=bootstrap_servers, request_topics=[topics["requests"]],
-            reply_topic=topics["replies"], dead_letter_topic=topics["dead"],
-            group_id=f"bench-{topics['requests']}", handler=handler, kafka_consumer=_SERVE_KAFKA,
-            metrics=False, shutdown_grace_s=5.0, **overrides)
-        with Service(config) as service:
-            _ready(service.wait_ready(_READY_TIMEOUT_S), config.group_id)
-            yield service
-
-    return serve
-
-
-def _loop(make: Callable[[str, str], LoopThread]) -> Callable[[str, Topics], Any]:
-    """``serve`` for a baseline loop built by ``make(bootstrap_servers, request_topic)``."""
-
-    @contextmanager
-    def serve(bootstrap_servers: str, topics: Topics) -> Iterator[object]:
-        with make(bootstrap_servers, topics["requests"]) as loop:
-            _ready(loop.wait_ready(_READY_TIMEOUT_S), loop.group_id)
-            yield loop
-
-    return serve
+@contextmanager
+def serve_kinference(overrides: dict[str, Any], handler: str, bootstrap_servers: str, topics: Topics
+                     ) -> Iterator[Service]:
+    """A kinference contender (``functools.partial`` it with ``overrides`` and ``handler`` for ``contender``)."""
+    config = ServiceConfig(
+        bootstrap_servers=bootstrap_servers, request_topics=[topics["requests"]],
+        reply_topic=topics["replies"], dead_letter_topic=topics["dead"],
+        group_id=f"bench-{topics['requests']}", handler=handler, kafka_consumer=_SERVE_KAFKA,
+        metrics=False, shutdown_grace_s=5.0, **overrides)
+    with Service(config) as service:
+        ready_or_fail(service.wait_ready(READY_TIMEOUT_S), config.group_id)
+        yield service
 
 
-def _ready(ready: bool, group: str) -> None:
-    if not ready:
-        raise KinferenceError(f"consumer group {group} got no partitions within {_READY_TIMEOUT_S:.0f} s")
+@contextmanager
+def serve_loop(make: Callable[[str, str], LoopThread], bootstrap_servers: str, topics: Topics
+               ) -> Iterator[LoopThread]:
+    """A baseline loop built by ``make(bootstrap_servers, request_topic)`` (a picklable callable)."""
+    with make(bootstrap_servers, topics["requests"]) as loop:
+        ready_or_fail(loop.wait_ready(READY_TIMEOUT_S), loop.group_id)
+        yield loop
+
+
+def _per_message(bootstrap_servers: str, topic: str) -> LoopThread:
+    return PerMessageLoop(bootstrap_servers, topic, MiniLM())
+
+
+def _static_batches(size: int, bootstrap_servers: str, topic: str) -> LoopThread:
+    return StaticBatchLoop(bootstrap_servers, topic, MiniLM(), size, STATIC_DELAY_MS)
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -180,17 +174,18 @@ SCENARIOS: tuple[Scenario, ...] = (
              "the handler's validate/preprocess/inference/postprocess in a loop, corpus order", order="fifo"),
     Scenario("inproc-grouped", "ceiling", "the same with the corpus sorted by length before batching",
              order="grouped"),
-    Scenario("relay", "transport", "plain confluent-kafka consume -> produce, values echoed", serve=_loop(Relay)),
+    Scenario("relay", "transport", "plain confluent-kafka consume -> produce, values echoed",
+             serve=partial(serve_loop, Relay)),
     Scenario("kinference-echo", "transport", "kinference (defaults) with the echo handler",
-             serve=_kinference({}, handler="echo")),
+             serve=partial(serve_kinference, {}, "echo")),
     Scenario("per-message", "baseline", "poll one record, embed it, produce the reply",
-             serve=_loop(lambda bootstrap, topic: PerMessageLoop(bootstrap, topic, MiniLM()))),
+             serve=partial(serve_loop, _per_message)),
     *(Scenario(f"torchserve-b{size}", "baseline",
                f"static batching (batch {size}, {STATIC_DELAY_MS:g} ms), stages one after another, one thread",
-               serve=_loop(lambda bootstrap, topic, size=size: StaticBatchLoop(bootstrap, topic, MiniLM(), size,
-                                                                               STATIC_DELAY_MS)))
+               serve=partial(serve_loop, partial(_static_batches, size)))
       for size in (8, 32)),
-    *(Scenario(setting.name, "kinference", setting.about, serve=_kinference(setting.overrides))
+    *(Scenario(setting.name, "kinference", setting.about,
+               serve=partial(serve_kinference, setting.overrides, "embedding"))
       for setting in KINFERENCE_SETTINGS),
 )
 _BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
@@ -286,7 +281,8 @@ class Bench:
                         warmup_s=options.warmup_s, timeout_s=options.timeout_s, seed=options.seed)
         rows = []
         self._step(f"{scenario.name}: starting its process")
-        with (contender(scenario, self.bootstrap_servers, topics),
+        assert scenario.serve is not None
+        with (contender(f"bench-{scenario.name}", scenario.serve, self.bootstrap_servers, topics),
               Client(self.bootstrap_servers, topics["requests"], topics["replies"], timeout_s=options.timeout_s,
                      reply_consumer=LOW_LATENCY_CONSUMER) as client):
             for corpus, values in payloads.items():
@@ -298,86 +294,6 @@ class Bench:
 
     def _step(self, text: str) -> None:
         self.console.print(f"[dim]{time.monotonic() - self.began:6.1f} s[/dim]  {text}")
-
-
-# --- each Kafka contender in a child process of its own
-
-# Interpreter start, imports, model load and warm-up, then up to _READY_TIMEOUT_S for the group to form.
-_START_TIMEOUT_S = _READY_TIMEOUT_S + 120.0
-_STOP_TIMEOUT_S = 60.0  # a kinference Service drains for shutdown_grace_s, then flushes and closes
-_KILL_TIMEOUT_S = 5.0
-_STOP_POLL_S = 0.2
-
-
-@contextmanager
-def contender(scenario: Scenario, bootstrap_servers: str, topics: Topics) -> Iterator[None]:
-    """Run Kafka scenario ``scenario`` on ``topics`` in a child process of its own until exit.
-
-    The child is a fresh interpreter ("spawn") that gets only names and strings and builds the contender
-    itself. It reports back over a pipe: ``ready`` once its consumer has partitions, ``stopped`` after
-    ``stop`` was set and it shut down cleanly, or ``failed`` with its traceback; each report is awaited
-    with a timeout, and a child that exits without one is an error too (KinferenceError either way). The
-    child is joined on exit, and terminated (its own PID only) if it does not end in time.
-    """
-    spawn = multiprocessing.get_context("spawn")
-    receive, send = spawn.Pipe(duplex=False)
-    stop = spawn.Event()
-    child = spawn.Process(target=_contender_main, name=f"bench-{scenario.name}",
-                          args=(scenario.name, bootstrap_servers, topics, send, stop))
-    child.start()
-    send.close()  # the child now holds the only writing end: end of file on ``receive`` means it is gone
-    try:
-        _expect("ready", child, receive, _START_TIMEOUT_S)
-        yield
-        stop.set()
-        _expect("stopped", child, receive, _STOP_TIMEOUT_S)
-    finally:
-        stop.set()
-        _reap(child)
-        receive.close()
-
-
-def _contender_main(name: str, bootstrap_servers: str, topics: Topics, report: Connection, stop: Event) -> None:
-    """A contender process: serve scenario ``name`` until ``stop`` is set or the bench process is gone,
-    reporting (word, detail) pairs to ``contender``."""
-    _setup_logging()
-    parent = multiprocessing.parent_process()
-    try:
-        serve = _BY_NAME[name].serve
-        assert serve is not None, f"{name} is not a Kafka scenario"
-        with serve(bootstrap_servers, topics):
-            report.send(("ready", ""))
-            while not stop.wait(_STOP_POLL_S) and (parent is None or parent.is_alive()):
-                pass
-    except BaseException:
-        report.send(("failed", traceback.format_exc()))
-        raise SystemExit(1) from None  # the bench process shows the traceback, once
-    report.send(("stopped", ""))
-
-
-def _expect(word: str, child: BaseProcess, receive: Connection, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for ``child`` to report ``word``; KinferenceError with what happened instead."""
-    what = f"{child.name} (pid {child.pid})"
-    if not multiprocessing.connection.wait([receive, child.sentinel], timeout_s):
-        raise KinferenceError(f"{what} did not report {word} within {timeout_s:.0f} s")
-    try:
-        said, detail = receive.recv()
-    except EOFError:
-        child.join(_KILL_TIMEOUT_S)
-        raise KinferenceError(f"{what} exited with code {child.exitcode} before it reported {word}") from None
-    if said != word:
-        raise KinferenceError(f"{what} failed:\n{detail}")
-
-
-def _reap(child: BaseProcess) -> None:
-    """Join ``child``; only if it has not ended in time, terminate it, then kill it."""
-    child.join(_STOP_TIMEOUT_S)
-    for end in (child.terminate, child.kill):
-        if child.exitcode is not None:
-            return
-        log.warning("%s (pid %d) did not exit; sending %s", child.name, child.pid, end.__name__)
-        end()
-        child.join(_KILL_TIMEOUT_S)
 
 
 def run_row(scenario: Scenario, corpus: str, result: RunResult) -> dict[str, Any]:
@@ -692,7 +608,7 @@ def main(argv: list[str]) -> int:
         options = options_from(args, argv)
     except ValueError as exc:
         parser.error(str(exc))
-    _setup_logging()
+    setup_logging()
     console = Console()
     try:
         report = Bench(options, console).run()
@@ -706,16 +622,6 @@ def main(argv: list[str]) -> int:
             write(report, path)
             console.print(f"{name}: {path}")
     return 0
-
-
-def _setup_logging() -> None:
-    """Warnings and errors, named by process (the bench's or a contender's), and no progress bars: the same
-    in the bench process and in each contender process."""
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # "Loading weights" bars would break the bench's output
 
 
 def _write_json(report: dict[str, Any], path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 from kinference.consumer.config import ServiceConfig
 from kinference.errors import KinferenceError
 from kinference.loadgen import bench
+from kinference.loadgen.contender import contender
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.model]
 
@@ -77,7 +78,7 @@ def test_a_contender_that_fails_to_start_is_an_error_not_a_hang():
     """The child reports its traceback (here: no request topic given) and the bench raises it."""
     relay = next(s for s in bench.SCENARIOS if s.name == "relay")
     failed = pytest.raises(KinferenceError, match=r"bench-relay \(pid \d+\) failed:(.|\n)*KeyError: 'requests'")
-    with failed, bench.contender(relay, "127.0.0.1:9", {}):
+    with failed, contender("bench-relay", relay.serve, "127.0.0.1:9", {}):
         pytest.fail("the contender should not have been ready")
 
 

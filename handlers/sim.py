@@ -1,0 +1,79 @@
+"""``sim``: a simulated accelerator, for benchmarks of the host path around a fast GPU.
+
+Requests are validated and tokenised exactly as the ``embedding`` handler does (the same tokenizer, the same
+token costs, the same collation), so everything around the model does its real work. Only the model is
+simulated: ``inference`` waits ``fixed_ms + per_token_us x padded tokens`` with the GIL released, as work
+queued on a GPU does, and returns zero embeddings of the model's width.
+
+The defaults model MiniLM-L6 (all-MiniLM-L6-v2) on a current data-centre GPU in half precision. The published
+figure is sentence-transformers' 14,200 sentences/s for this model on a V100 (sbert.net, "Pretrained Models");
+at about 30 padded tokens per short sentence that is ~2.3 us per token, and an H100 in fp16 is about four times
+a V100 on BERT-sized encoders, hence ``per_token_us=0.5``. ``fixed_ms=1.0`` is the launch cost of an eager
+6-layer encoder (~60 kernels of ~15 us each). Options ``fixed_ms`` and ``per_token_us`` set other devices.
+
+``stats()`` reports the time the simulated device was busy, so a benchmark can give its busy fraction.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from kinference.errors import HandlerLoadError
+from kinference.handlers.embedding import EmbeddingHandler
+from kinference.handlers.text import TextBatch
+
+
+class SimulatedAccelerator(EmbeddingHandler):
+    name = "sim"
+    defaults = {**EmbeddingHandler.defaults, "fixed_ms": 1.0, "per_token_us": 0.5}
+
+    def _load(self, model_dir: Path, dtype: torch.dtype) -> None:
+        """The tokenizer and the model's configuration only: there are no weights to run."""
+        if not model_dir.is_dir():
+            raise HandlerLoadError(f"{self.name}: model directory {model_dir} does not exist")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            self.model = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir, local_files_only=True))
+        except Exception as exc:
+            raise HandlerLoadError(f"{self.name}: cannot load the tokenizer in {model_dir}: {exc}") from exc
+        if self.tokenizer.pad_token_id is None:
+            raise HandlerLoadError(f"{self.name}: the tokenizer in {model_dir} has no pad token to pad batches with")
+
+    def configure(self, options: dict[str, Any]) -> None:
+        super().configure(options)
+        self.fixed_s = _non_negative(options, "fixed_ms") / 1000
+        self.per_token_s = _non_negative(options, "per_token_us") / 1_000_000
+        self._width = int(self.model.config.hidden_size)
+        self._lock = threading.Lock()
+        self._busy_s = 0.0
+        self._calls = 0
+
+    def inference(self, inputs: TextBatch) -> torch.Tensor:
+        seconds = self.fixed_s + self.per_token_s * inputs.tensors["input_ids"].numel()
+        time.sleep(seconds)  # releases the GIL, as a GPU computing does
+        with self._lock:
+            self._busy_s += seconds
+            self._calls += 1
+        return torch.zeros(inputs.real_rows, self._width)
+
+    def stats(self) -> dict[str, float]:
+        """Seconds the simulated device has been busy, and the calls it ran, since setup."""
+        with self._lock:
+            return {"busy_s": self._busy_s, "calls": self._calls}
+
+    def describe(self) -> dict[str, str]:
+        return {**super().describe(), "simulated": f"{self.fixed_s * 1000:g} ms + {self.per_token_s * 1e6:g} us/token"}
+
+
+def _non_negative(options: dict[str, Any], key: str) -> float:
+    value = options[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise HandlerLoadError(f"sim: handler option {key} must be a number >= 0, not {value!r}")
+    return float(value)

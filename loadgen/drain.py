@@ -1,0 +1,476 @@
+"""``kinference drain``: how fast each contender drains a backlog, and where its time goes.
+
+Kafka users meet the limit of the per-message work around the model (the host path) when a consumer group
+catches up after an outage or a deploy: the backlog drains at that speed. So each contender gets its own topics
+(one request partition per core) holding N requests produced first; then it starts, and is timed from its
+consumer's assignment until every offset is committed. kinference commits an offset only once its reply was
+acknowledged, and the relay flushes its replies before each commit, so "committed" means "answered".
+
+Contenders, each in a child process of its own (``loadgen.contender``), on one embedded broker:
+
+- ``relay``: the plain consume -> produce -> commit loop, with the same librdkafka settings;
+- ``kinference-echo``: kinference's defaults and the ``echo`` handler;
+- ``kinference-sim``: the ``sim`` handler, a simulated GPU (``handlers/sim.py``: real tokenisation, inference
+  waits ``fixed_ms + per_token_us x padded tokens`` with the GIL released), at the modelled speed of MiniLM on a
+  current GPU, then slowed so that its capacity is each of ``--sim-capacities`` x the echo drain rate;
+- ``kinference-embedding``: the real MiniLM on this machine (fewer requests, ``--embedding-requests``), beside
+  its in-process ceiling (the handler called in a loop on the same texts sorted by length).
+
+Reported for each: messages per second; CPU time per message (the contender process's user + system time over
+the drain, librdkafka's threads included); where the time goes (a py-spy sampling profile of the contender,
+its active samples summarised per stage, as thread-microseconds per message); and for ``sim`` the simulated
+device's busy fraction. Kafka settings as in ``kinference bench``; commits every 100 ms for every contender,
+so that the end of a drain is seen within that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import orjson
+from confluent_kafka import Consumer, Producer, TopicPartition
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
+from kinference.consumer.service import resolve_device
+from kinference.consumer.topics import create_topics
+from kinference.handlers import HandlerContext, load_handler
+from kinference.loadgen.baselines import CommittingRelay, LoopThread
+from kinference.loadgen.bench import measure_ceiling, serve_kinference, serve_loop
+from kinference.loadgen.contender import Serve, Topics, contender, setup_logging
+from kinference.loadgen.corpus import PROFILES, builtin_corpus
+from kinference.protocol import CORRELATION_ID, REPLY_TO, SPRING_REPLY_PARTITION, encode_partition
+
+COMMIT_INTERVAL_S = 0.1
+SIM_FIXED_MS = 1.0
+SIM_PER_TOKEN_US = 0.5
+"""The simulated GPU's default speed: see handlers/sim.py for where the figures come from."""
+_WATCH_S = 0.05
+_PROFILE_RATE_HZ = 100
+
+
+@dataclass(frozen=True)
+class DrainOptions:
+    requests: int = 200_000
+    embedding_requests: int = 4_000
+    partitions: int = max(1, os.cpu_count() or 1)
+    corpus: str = "short"
+    sim_capacities: tuple[float, ...] = (0.5, 0.75, 1.0)
+    contenders: tuple[str, ...] = ("relay", "kinference-echo", "kinference-sim", "kinference-embedding")
+    profile: bool = True
+    profiles_dir: Path | None = None
+    """Where to keep each contender's raw py-spy profile (collapsed stacks: input for flame graphs)."""
+    timeout_s: float = 900.0
+    seed: int = 0
+
+
+@dataclass
+class Drain:
+    """One contender's drain: its serve callable, its consumer group, and what it measured."""
+
+    name: str
+    about: str
+    serve: Serve
+    group: str
+    requests: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _committing_relay(bootstrap_servers: str, topic: str) -> LoopThread:
+    return CommittingRelay(bootstrap_servers, topic, COMMIT_INTERVAL_S, group_id=f"drain-{topic}")
+
+
+def kinference_drain(name: str, about: str, handler: str, topics: Topics, requests: int,
+                     **overrides: Any) -> Drain:
+    serve = partial(serve_kinference, {"commit_interval_ms": int(COMMIT_INTERVAL_S * 1000), **overrides}, handler)
+    return Drain(name, about, serve, f"bench-{topics['requests']}", requests)
+
+
+def relay_drain(topics: Topics, requests: int) -> Drain:
+    return Drain("relay", "plain confluent-kafka consume -> produce -> commit", partial(serve_loop, _committing_relay),
+                 f"drain-{topics['requests']}", requests)
+
+
+class Run:
+    """The whole drain run on one embedded broker."""
+
+    def __init__(self, options: DrainOptions, console: Console) -> None:
+        self.options = options
+        self.console = console
+        self.began = time.monotonic()
+        self.payloads = builtin_corpus(options.corpus, seed=options.seed)
+
+    def run(self) -> dict[str, Any]:
+        options = self.options
+        started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        rows: list[dict[str, Any]] = []
+        ceiling = None
+        with EmbeddedBroker() as broker:
+            self.bootstrap = broker.bootstrap_servers
+            if "relay" in options.contenders:
+                rows.append(self._drain(lambda topics: relay_drain(topics, options.requests)))
+            echo_rate = None
+            if "kinference-echo" in options.contenders:
+                rows.append(self._drain(lambda topics: kinference_drain(
+                    "kinference-echo", "kinference's defaults, echo handler", "echo", topics, options.requests)))
+                echo_rate = rows[-1]["msgs_per_s"]
+            if "kinference-sim" in options.contenders:
+                rows += self._sims(echo_rate)
+            if "kinference-embedding" in options.contenders:
+                rows.append(self._drain(lambda topics: kinference_drain(
+                    "kinference-embedding", "kinference's defaults, the real MiniLM on this machine", "embedding",
+                    topics, options.embedding_requests)))
+        if "kinference-embedding" in options.contenders:
+            ceiling = self._ceiling()
+        report = {"command": "kinference drain", "started": started, "wall_s": round(time.monotonic() - self.began, 1),
+                  "settings": {"requests": options.requests, "embedding_requests": options.embedding_requests,
+                               "partitions": options.partitions, "corpus": options.corpus,
+                               "commit_interval_s": COMMIT_INTERVAL_S, "sim_fixed_ms": SIM_FIXED_MS,
+                               "sim_per_token_us": SIM_PER_TOKEN_US, "cores": os.cpu_count()},
+                  "drains": rows, "embedding_ceiling": ceiling}
+        report["targets"] = evaluate_targets(report)
+        return report
+
+    def _sims(self, echo_rate: float | None) -> list[dict[str, Any]]:
+        """The simulated GPU at its modelled speed, then slowed to fractions of the echo drain rate."""
+        options = self.options
+        modelled = self._drain(lambda topics: kinference_drain(
+            "kinference-sim", f"simulated GPU: {SIM_FIXED_MS:g} ms + {SIM_PER_TOKEN_US:g} us/token", "sim", topics,
+            options.requests, handler_options={"fixed_ms": SIM_FIXED_MS, "per_token_us": SIM_PER_TOKEN_US}))
+        rows = [modelled]
+        capacity = modelled["extra"].get("device_capacity_per_s")
+        if echo_rate is None or not capacity:
+            return rows
+        for fraction in options.sim_capacities:
+            slowdown = capacity / (fraction * echo_rate)
+            rows.append(self._drain(lambda topics, fraction=fraction, slowdown=slowdown: kinference_drain(
+                f"kinference-sim@{fraction:g}x-echo", f"simulated GPU slowed {slowdown:.2f}x: capacity "
+                f"{fraction:g} x the echo drain rate", "sim", topics, options.requests,
+                handler_options={"fixed_ms": SIM_FIXED_MS * slowdown, "per_token_us": SIM_PER_TOKEN_US * slowdown})))
+        return rows
+
+    def _drain(self, make: Any) -> dict[str, Any]:
+        options = self.options
+        suffix = uuid.uuid4().hex[:8]
+        topics = {role: f"drain-{role}-{suffix}" for role in ("requests", "replies", "dead")}
+        drain: Drain = make(topics)
+        create_topics(self.bootstrap, {topics["requests"]: options.partitions, topics["replies"]: options.partitions,
+                                       topics["dead"]: 1})
+        self._step(f"{drain.name}: producing {drain.requests:,} requests")
+        ends = produce_backlog(self.bootstrap, topics, options.partitions, drain.requests, self.payloads)
+        self._step(f"{drain.name}: starting its process and draining")
+        with contender(f"drain-{drain.name}", drain.serve, self.bootstrap, topics) as running:
+            started, cpu_before = time.monotonic(), process_cpu_s(running.pid)
+            keep = options.profiles_dir / f"{drain.name}.txt" if options.profiles_dir else None
+            with profiling(running.pid, options.profile, keep) as profile:
+                finished = wait_committed(self.bootstrap, drain.group, ends, options.timeout_s)
+                cpu_after = process_cpu_s(running.pid)
+        elapsed = finished - started
+        row = {"contender": drain.name, "about": drain.about, "requests": drain.requests,
+               "seconds": round(elapsed, 3), "msgs_per_s": round(drain.requests / elapsed, 1),
+               "cpu_us_per_msg": round((cpu_after - cpu_before) / drain.requests * 1e6, 1),
+               "profile": profile.summary(drain.requests), "extra": dict(drain.extra)}
+        busy = running.stopped.get("busy_s", 0.0) - running.ready.get("busy_s", 0.0)
+        calls = running.stopped.get("calls", 0) - running.ready.get("calls", 0)
+        if calls:
+            row["device_busy"] = round(min(1.0, busy / elapsed), 3)
+            # What the simulated device could do alone at the batches it got: items per busy second.
+            row["extra"]["device_capacity_per_s"] = round(drain.requests / busy, 1) if busy else None
+        self._step(f"{drain.name}: {row['msgs_per_s']:,.0f} msg/s, {row['cpu_us_per_msg']:g} us CPU/msg"
+                   + (f", device busy {row['device_busy']:.0%}" if "device_busy" in row else ""))
+        return row
+
+    def _ceiling(self) -> dict[str, Any]:
+        self._step("the embedding handler in-process, texts sorted by length (the ceiling)")
+        handler = load_handler("embedding")
+        handler.setup(HandlerContext(device=resolve_device("auto"), max_batch_size=32))
+        handler.warm_up()
+        try:
+            return measure_ceiling(handler, self.payloads, "grouped", (8, 32), seconds=5.0)
+        finally:
+            handler.close()
+
+    def _step(self, text: str) -> None:
+        self.console.print(f"[dim]{time.monotonic() - self.began:6.1f} s[/dim]  {text}")
+
+
+def produce_backlog(bootstrap: str, topics: Topics, partitions: int, count: int,
+                    payloads: Sequence[dict[str, str]]) -> dict[tuple[str, int], int]:
+    """``count`` requests spread evenly over the partitions, each with a correlation id and its reply route (as
+    the request-reply client sends them); the end offset of each partition, from the delivery reports."""
+    ends: Counter = Counter()
+    errors: list[Any] = []
+
+    def delivered(error: Any, message: Any) -> None:
+        if error is not None:
+            errors.append(error)
+        else:
+            ends[(message.topic(), message.partition())] += 1
+
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "batch.num.messages": 10_000,
+                         "compression.type": "lz4", "queue.buffering.max.messages": 500_000})
+    reply_to = topics["replies"].encode()
+    values = [orjson.dumps(payload) for payload in payloads]
+    for i in range(count):
+        partition = i % partitions
+        headers = [(CORRELATION_ID, f"d{i}".encode()), (REPLY_TO, reply_to),
+                   (SPRING_REPLY_PARTITION, encode_partition(partition))]
+        while True:
+            try:
+                producer.produce(topics["requests"], values[i % len(values)], partition=partition, headers=headers,
+                                 on_delivery=delivered)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        if i % 10_000 == 0:
+            producer.poll(0)
+    producer.flush(120)
+    if errors or sum(ends.values()) != count:
+        raise RuntimeError(f"the backlog was not produced: {len(errors)} errors, {sum(ends.values())} of {count}")
+    return dict(ends)
+
+
+def wait_committed(bootstrap: str, group: str, ends: dict[tuple[str, int], int], timeout_s: float) -> float:
+    """``time.monotonic()`` when the group's committed offsets first equal ``ends``."""
+    watcher = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": "false",
+                        **LOW_LATENCY_CONSUMER})
+    partitions = [TopicPartition(topic, partition) for topic, partition in ends]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            committed = {(tp.topic, tp.partition): tp.offset for tp in watcher.committed(partitions, timeout=10)}
+            if committed == ends:
+                return time.monotonic()
+            time.sleep(_WATCH_S)
+        raise TimeoutError(f"group {group} did not commit {ends} within {timeout_s:.0f} s (at {committed})")
+    finally:
+        watcher.close()
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --- where the time goes: a py-spy profile of the contender, summarised per stage
+
+WAITING = "waiting"
+
+# A sample goes to the first stage, from the innermost frame outwards, whose (file, functions) matches one of its
+# frames. The most specific come first; a stage's functions ``None`` takes the whole file.
+STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
+    # A thread blocked on a lock, a queue or an event is waiting, not working (py-spy's --nonblocking sampling
+    # cannot always tell).
+    (WAITING, "threading.py", frozenset({"wait", "acquire"})),
+    (WAITING, "queue.py", frozenset({"get", "put"})),
+    ("poll: tokenise", "handlers/text.py", frozenset({"validate", "cost"})),
+    ("poll: admission", "consumer/admission.py", None),
+    ("poll: decode", "consumer/request.py", frozenset({"decode"})),
+    ("poll: track", "consumer/commit.py", frozenset({"track", "check_position"})),
+    ("poll: batcher put", "consumer/batcher.py", frozenset({"put"})),
+    ("poll: consume", "consumer/source.py", frozenset({"_fetch"})),
+    ("poll: other", "consumer/source.py", None),
+    ("commit", "consumer/commit.py", None),
+    ("batcher", "consumer/batcher.py", None),
+    ("preprocess", "consumer/stages.py", frozenset({"_preprocess"})),
+    ("inference", "consumer/stages.py", frozenset({"_inference"})),
+    ("postprocess + encode", "consumer/stages.py", frozenset({"_postprocess"})),
+    ("stages: other", "consumer/stages.py", None),
+    ("publish: delivery reports", "consumer/publisher.py", frozenset({"_on_delivery", "_delivered", "_answered"})),
+    ("publish: build records", "consumer/answers.py", None),
+    ("publish: produce", "consumer/publisher.py", None),
+    ("lag", "consumer/lag.py", None),
+    ("relay", "loadgen/baselines.py", None),
+)
+
+
+def stage_of(stack: Sequence[str]) -> str:
+    """The stage of one sample, its frames outermost first as py-spy writes them (``Class.function (file:line)``)."""
+    for frame in reversed(stack):
+        qualified, _, where = frame.partition(" (")
+        function = qualified.rsplit(".", 1)[-1]
+        path = where.rsplit(":", 1)[0]
+        for stage, suffix, functions in STAGES:
+            if path.endswith(suffix) and (functions is None or function in functions):
+                return stage
+    return "other"
+
+
+@dataclass
+class Profile:
+    samples: Counter = field(default_factory=Counter)
+    rate_hz: int = _PROFILE_RATE_HZ
+    note: str = ""
+
+    def summary(self, messages: int) -> dict[str, Any]:
+        """Thread-microseconds per message in each stage (active samples / rate / messages), largest first."""
+        if not self.samples:
+            return {"note": self.note or "no samples"}
+        per_stage = {stage: round(count / self.rate_hz / messages * 1e6, 2)
+                     for stage, count in self.samples.most_common() if stage != WAITING}
+        return {"us_per_msg": per_stage, "samples": sum(self.samples.values()) - self.samples[WAITING]}
+
+
+def read_raw_profile(text: str) -> Counter:
+    """py-spy's ``raw`` output (``frame;frame;... count`` per line) -> samples per stage."""
+    samples: Counter = Counter()
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            samples[stage_of(stack.split(";"))] += int(count)
+    return samples
+
+
+@contextlib.contextmanager
+def profiling(pid: int, enabled: bool, keep: Path | None = None) -> Iterator[Profile]:
+    """py-spy records ``pid`` for the body of the ``with`` (its raw output copied to ``keep``); without py-spy (or
+    leave to attach), an empty profile that says why."""
+    profile = Profile()
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if not enabled or spy is None:
+        profile.note = "profiling off" if not enabled else "py-spy is not installed (pip install py-spy)"
+        yield profile
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        output = Path(scratch) / "profile.txt"
+        recorder = subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", str(profile.rate_hz),
+                                     "--format", "raw", "--output", str(output), "--nonblocking"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            yield profile
+        finally:
+            recorder.send_signal(signal.SIGINT)  # py-spy writes its output and exits
+            try:
+                _, error = recorder.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                recorder.kill()
+                _, error = recorder.communicate()
+            if output.exists():
+                profile.samples = read_raw_profile(output.read_text())
+                if keep is not None:
+                    keep.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(output, keep)
+            else:
+                profile.note = f"py-spy could not record: {(error or '').strip()[-300:]}"
+
+
+# --- targets and output
+
+
+def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    drains = {row["contender"]: row for row in report["drains"]}
+    targets = []
+    relay, echo = drains.get("relay"), drains.get("kinference-echo")
+    if relay and echo:
+        ratio = echo["msgs_per_s"] / relay["msgs_per_s"]
+        targets.append({"target": "echo drain >= 0.5 x relay drain", "value": round(ratio, 3), "met": ratio >= 0.5})
+    slowed = [row for name, row in drains.items() if name.startswith("kinference-sim@")]
+    if slowed:
+        lowest = min(row.get("device_busy", 0.0) for row in slowed)
+        targets.append({"target": "simulated GPU >= 90% busy at every capacity up to the echo drain rate",
+                        "value": {row["contender"]: row.get("device_busy") for row in slowed},
+                        "met": lowest >= 0.9})
+    embedding, ceiling = drains.get("kinference-embedding"), report.get("embedding_ceiling")
+    if embedding and ceiling:
+        ratio = embedding["msgs_per_s"] / ceiling["best_items_per_s"]
+        targets.append({"target": "embedding drain >= 0.9 x in-process length-grouped ceiling",
+                        "value": round(ratio, 3), "met": ratio >= 0.9})
+    return targets
+
+
+def drain_table(report: dict[str, Any]) -> Table:
+    table = Table(title="drain", box=box.SIMPLE_HEAVY)
+    for column in ("contender", "requests", "msg/s", "µs CPU/msg", "device busy", "top stages (thread-µs/msg)"):
+        table.add_column(column, justify="left" if column in ("contender", "top stages (thread-µs/msg)") else "right")
+    for row in report["drains"]:
+        stages = row["profile"].get("us_per_msg", {})
+        top = ", ".join(f"{stage} {us:g}" for stage, us in list(stages.items())[:4]) or row["profile"].get("note", "")
+        table.add_row(row["contender"], f"{row['requests']:,}", f"{row['msgs_per_s']:,.0f}",
+                      f"{row['cpu_us_per_msg']:g}",
+                      f"{row['device_busy']:.0%}" if "device_busy" in row else "", top)
+    return table
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = ["| contender | requests | msg/s | µs CPU/msg | device busy | where the time goes (thread-µs/msg) |",
+             "|---|---|---|---|---|---|"]
+    for row in report["drains"]:
+        stages = row["profile"].get("us_per_msg", {})
+        top = ", ".join(f"{stage} {us:g}" for stage, us in list(stages.items())[:6]) or row["profile"].get("note", "")
+        busy = f"{row['device_busy']:.0%}" if "device_busy" in row else ""
+        lines.append(f"| {row['contender']} | {row['requests']:,} | {row['msgs_per_s']:,.0f} "
+                     f"| {row['cpu_us_per_msg']:g} | {busy} | {top} |")
+    ceiling = report.get("embedding_ceiling")
+    if ceiling:
+        lines += ["", f"In-process length-grouped ceiling of the embedding handler: {ceiling['best_items_per_s']:,.0f} "
+                      f"items/s (batch {ceiling['best_batch_size']})."]
+    lines += ["", "| target | value | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in report["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kinference drain", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = DrainOptions()
+    parser.add_argument("--requests", type=int, default=defaults.requests,
+                        help="backlog per contender (default: %(default)s)")
+    parser.add_argument("--embedding-requests", type=int, default=defaults.embedding_requests,
+                        help="backlog of the real-model contender (default: %(default)s)")
+    parser.add_argument("--partitions", type=int, default=defaults.partitions,
+                        help="request partitions (default: one per core, %(default)s)")
+    parser.add_argument("--corpus", choices=sorted(PROFILES), default=defaults.corpus)
+    parser.add_argument("--sim-capacities", type=lambda text: tuple(float(x) for x in text.split(",")),
+                        default=defaults.sim_capacities, metavar="F1,F2,...",
+                        help="slowed simulated GPUs, as fractions of the echo drain rate (default: 0.5,0.75,1)")
+    parser.add_argument("--contenders", type=lambda text: tuple(text.split(",")), default=defaults.contenders,
+                        metavar="NAME,...", help=f"a subset of {', '.join(defaults.contenders)}")
+    parser.add_argument("--no-profile", action="store_true", help="no py-spy profile")
+    parser.add_argument("--profiles", type=Path, metavar="DIR",
+                        help="keep each contender's raw py-spy profile here (collapsed stacks, for flame graphs)")
+    parser.add_argument("--quick", action="store_true", help="a small run: 20,000 requests, 1,000 for the model")
+    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    unknown = set(args.contenders) - set(DrainOptions().contenders)
+    if unknown:
+        parser.error(f"unknown contender(s) {', '.join(sorted(unknown))}")
+    options = DrainOptions(requests=20_000 if args.quick else args.requests,
+                           embedding_requests=1_000 if args.quick else args.embedding_requests,
+                           partitions=args.partitions, corpus=args.corpus, sim_capacities=args.sim_capacities,
+                           contenders=args.contenders, profile=not args.no_profile, profiles_dir=args.profiles)
+    setup_logging()
+    console = Console()
+    report = Run(options, console).run()
+    console.print(drain_table(report))
+    for target in report["targets"]:
+        console.print(f"{'met' if target['met'] else 'MISSED'}: {target['target']}: {target['value']}")
+    if args.out:
+        args.out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    if args.markdown:
+        args.markdown.write_text(markdown(report))
+    return 0

@@ -1,0 +1,30 @@
+"""``kinference drain`` end to end, small: every contender drains its backlog on the embedded broker."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from kinference.loadgen import drain
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.mark.timeout(600)
+def test_a_small_drain_of_every_contender(tmp_path):
+    out = tmp_path / "drain.json"
+    assert drain.main(["--requests", "2000", "--embedding-requests", "200", "--sim-capacities", "1",
+                       "--out", str(out), "--markdown", str(tmp_path / "drain.md"),
+                       "--profiles", str(tmp_path / "profiles")]) == 0
+    report = orjson.loads(out.read_bytes())
+    rows = {row["contender"]: row for row in report["drains"]}
+    assert set(rows) == {"relay", "kinference-echo", "kinference-sim", "kinference-sim@1x-echo",
+                         "kinference-embedding"}
+    for row in rows.values():
+        assert row["msgs_per_s"] > 0 and row["cpu_us_per_msg"] > 0
+    assert 0 < rows["kinference-sim"]["device_busy"] <= 1 and rows["kinference-sim"]["extra"]["device_capacity_per_s"]
+    assert report["embedding_ceiling"]["best_items_per_s"] > 0 and len(report["targets"]) == 3
+    profiled = rows["kinference-echo"]["profile"]
+    # py-spy needs ptrace rights; where it has them, the echo drain shows the poll thread at work.
+    assert "us_per_msg" in profiled or "py-spy" in profiled.get("note", "")
+    assert (tmp_path / "drain.md").read_text().count("\n| kinference-") == 4

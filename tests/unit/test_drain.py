@@ -1,0 +1,60 @@
+"""``kinference drain``'s pure parts: where a profile sample goes, the targets, the Markdown."""
+
+from __future__ import annotations
+
+from kinference.loadgen.drain import Profile, evaluate_targets, markdown, read_raw_profile, stage_of
+
+ROOT = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982)"
+
+
+def test_a_sample_goes_to_its_innermost_known_stage():
+    poll = f"{ROOT};Source._run (consumer/source.py:123);Source._intake (consumer/source.py:169)"
+    assert stage_of(f"{poll};Source._take (consumer/source.py:176);RequestDecoder.decode (consumer/request.py:139)"
+                    .split(";")) == "poll: decode"
+    admission = f"{poll};Service._route (consumer/service.py:1);admit (consumer/admission.py:20)"
+    assert stage_of(f"{admission};TextHandler.validate (handlers/text.py:160)".split(";")) == "poll: tokenise"
+    assert stage_of(admission.split(";")) == "poll: admission"
+    waiting = (f"{ROOT};StagePool._run (consumer/stages.py:171);Queue.get (queue.py:171);"
+               "Condition.wait (threading.py:327)")
+    assert stage_of(waiting.split(";")) == "waiting"
+    inference = f"{ROOT};StagePool._process (consumer/stages.py:186);Pipeline._inference (consumer/stages.py:305)"
+    assert stage_of(f"{inference};Module._call_impl (torch/nn/modules/module.py:1)".split(";")) == "inference"
+    assert stage_of([ROOT, "something (elsewhere.py:1)"]) == "other"
+
+
+def test_a_profile_sums_samples_per_stage_and_leaves_waiting_out():
+    raw = (f"{ROOT};Pipeline._inference (consumer/stages.py:305) 30\n"
+           f"{ROOT};StagePool._run (consumer/stages.py:171);Queue.get (queue.py:171) 50\n"
+           f"{ROOT};Publisher._send (consumer/publisher.py:200) 10\n")
+    profile = Profile(read_raw_profile(raw), rate_hz=100)
+    summary = profile.summary(messages=1000)
+    # 30 samples at 100 Hz over 1,000 messages: 300 thread-microseconds per message.
+    assert summary == {"us_per_msg": {"inference": 300.0, "publish: produce": 100.0}, "samples": 40}
+    assert Profile(note="py-spy is not installed").summary(10) == {"note": "py-spy is not installed"}
+
+
+def report(echo: float, relay: float, busy: dict[str, float], embedding: float, ceiling: float) -> dict:
+    rows = [{"contender": "relay", "msgs_per_s": relay}, {"contender": "kinference-echo", "msgs_per_s": echo},
+            {"contender": "kinference-embedding", "msgs_per_s": embedding}]
+    rows += [{"contender": name, "msgs_per_s": 1.0, "device_busy": value} for name, value in busy.items()]
+    return {"drains": rows, "embedding_ceiling": {"best_items_per_s": ceiling}}
+
+
+def test_targets_are_ratios_of_one_run():
+    met = evaluate_targets(report(600, 1000, {"kinference-sim@0.5x-echo": 0.97, "kinference-sim@1x-echo": 0.91},
+                                  95, 100))
+    assert [t["met"] for t in met] == [True, True, True]
+    missed = evaluate_targets(report(400, 1000, {"kinference-sim@1x-echo": 0.6}, 80, 100))
+    assert [(t["value"], t["met"]) for t in missed] == [(0.4, False), ({"kinference-sim@1x-echo": 0.6}, False),
+                                                       (0.8, False)]
+
+
+def test_markdown_has_a_row_per_drain_and_the_targets():
+    data = report(600, 1000, {}, 95, 100)
+    for row in data["drains"]:
+        row.update(requests=1000, cpu_us_per_msg=12.5, profile={"us_per_msg": {"poll: decode": 3.0}})
+    data["embedding_ceiling"].update(best_batch_size=32)
+    data["targets"] = evaluate_targets(data)
+    text = markdown(data)
+    assert "| kinference-echo | 1,000 | 600 | 12.5 |  | poll: decode 3 |" in text
+    assert "| echo drain >= 0.5 x relay drain | 0.6 | yes |" in text
