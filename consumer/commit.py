@@ -131,13 +131,15 @@ class OffsetTracker:
                      "of this partition stops at %d until the partition is reassigned or the service restarts",
                      key[0], key[1], ledger.gap, position - 1, ledger.gap)
 
-    def finish(self, request: Request) -> None:
-        """The record is answered (reply acknowledged by the broker, or held for the transaction)."""
+    def finish(self, requests: Iterable[Request]) -> None:
+        """These records are answered (replies acknowledged by the broker, or held for the transaction). Many at
+        once: one lock for all the acknowledgements one poll of the producer brought."""
         with self._cond:
-            ledger: PartitionLedger | None = request.ledger
-            if ledger is not None and ledger.attached:
-                ledger.finish(request.offset)
-                self._cond.notify_all()
+            for request in requests:
+                ledger: PartitionLedger | None = request.ledger
+                if ledger is not None and ledger.attached:
+                    ledger.finish(request.offset)
+            self._cond.notify_all()
 
     def abandon(self, requests: Iterable[Request]) -> None:
         """Records dropped unanswered (their partition is being revoked): the next owner serves them, so they

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import platform
 from importlib import metadata
+from typing import Any
 
 import confluent_kafka
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -71,6 +72,17 @@ class Metrics:
         self.model = Info("kinference_model", "The handler being served.", registry=r)
         self.build = Info("kinference_build", "Versions of kinference and of what it runs on.", registry=r)
         self.build.info(build_info())
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def labelled(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, kept: prometheus_client validates the labels and takes a lock on every
+        ``labels()`` call, which the per-request path pays several times. For label sets that are never removed
+        (topics from the configuration, outcomes, statuses)."""
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
 
 def build_info() -> dict[str, str]:

@@ -7,7 +7,8 @@ record (``answers``), how a refusal is classified, the metrics, and what stops t
 only where their guarantees differ:
 
 - here, a request counts as answered once the broker acknowledged each of its records; ``on_answered``
-  then hands it to the commit tracker, and the consumer commits its offset later;
+  then hands it to the commit tracker (all those of one turn of the thread's loop at once), and the consumer
+  commits its offset later;
 - a record refused for a passing reason (a timeout during a broker outage, a purge) is produced again with
   backoff, for up to ``delivery_retry_timeout_s``; past that the request is unanswerable;
 - a producer with a fatal error (the idempotent producer's sequence lost), or with no successful delivery for
@@ -54,10 +55,10 @@ class PublisherDown(RuntimeError):
 def observe(metrics: Metrics, request: Request, now: float) -> None:
     """Per-request metrics, taken when the request reaches the publisher."""
     outcome = "ok" if request.error is None else str(request.error.code)
-    metrics.requests.labels(request.topic, outcome).inc()
-    metrics.service_seconds.labels(request.topic).observe(now - request.received)
+    metrics.labelled(metrics.requests, request.topic, outcome).inc()
+    metrics.labelled(metrics.service_seconds, request.topic).observe(now - request.received)
     if request.dispatched is not None:
-        metrics.queue_wait.labels(request.topic).observe(request.dispatched - request.received)
+        metrics.labelled(metrics.queue_wait, request.topic).observe(request.dispatched - request.received)
 
 
 class Publisher:
@@ -65,7 +66,7 @@ class Publisher:
         self,
         producer_config: dict[str, str],
         dead_letter_topic: str,
-        on_answered: Callable[[Request], None],
+        on_answered: Callable[[list[Request]], None],
         queue_size: int,
         metrics: Metrics,
         *,
@@ -83,6 +84,8 @@ class Publisher:
         self._stall_timeout_s = stall_timeout_s
         self._outstanding: dict[Request, int] = {}
         """Records of each request not yet acknowledged."""
+        self._answered: list[Request] = []
+        """Answered since the last hand-over to ``on_answered``."""
         self._retries: list[tuple[float, int, Delivery]] = []
         """Refused records waiting to be produced again: a heap by due time."""
         self._order = itertools.count()
@@ -147,6 +150,7 @@ class Publisher:
                 self._take(self._wait_s())
                 self._tick(time.monotonic())
                 self._producer.poll(0)
+                self._hand_over()
         except Exception as exc:
             self._fail(f"the publisher failed: {exc!r}")
             log.critical("publisher thread failed", exc_info=True)
@@ -218,7 +222,7 @@ class Publisher:
             self._fatal = self._fatal or error
             self._undelivered.append(delivery)
             return
-        self._metrics.delivery_failures.labels(delivery.kind).inc()
+        self._metrics.labelled(self._metrics.delivery_failures, delivery.kind).inc()
         if refusal is Refusal.TRANSIENT:
             self._refused_for_now(delivery, error)
             return
@@ -250,13 +254,18 @@ class Publisher:
     def _delivered(self, delivery: Delivery) -> None:
         request = delivery.request
         if delivery.kind == "reply":
-            self._metrics.replies.labels("ok" if request.ok else "error").inc()
+            self._metrics.labelled(self._metrics.replies, "ok" if request.ok else "error").inc()
         else:
             self._metrics.dead_letters.inc()
         self._outstanding[request] -= 1
         if self._outstanding[request] == 0:
             del self._outstanding[request]
-            self._on_answered(request)
+            self._answered.append(request)
+
+    def _hand_over(self) -> None:
+        if self._answered:
+            answered, self._answered = self._answered, []
+            self._on_answered(answered)
 
     def _unanswerable(self, request: Request, why: str) -> None:
         self._outstanding.pop(request, None)

@@ -17,6 +17,7 @@ import logging
 import math
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 
@@ -163,9 +164,9 @@ class Service:
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed)
         publisher = self.publisher
-        self.source = Source(config, decoder, self.tracker, self._route, self._reply_now, self.batcher.discard,
-                             committer, in_flight=lambda: self.tracker.in_flight + publisher.held,
-                             metrics=self.metrics)
+        self.source = Source(config, decoder, self.tracker, partial(admit, self.handler), self._route,
+                             self._reply_now, self.batcher.discard, committer,
+                             in_flight=lambda: self.tracker.in_flight + publisher.held, metrics=self.metrics)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: self.source.rebalance.partitions,  # type: ignore[union-attr]
                               self.metrics, config.lag_interval_s)
@@ -258,8 +259,6 @@ class Service:
         log.info("stopped")
 
     def _route(self, request: Request) -> None:
-        if request.ok:
-            admit(self.handler, request)
         if request.ok:
             self.batcher.put(request)  # type: ignore[union-attr]
         else:

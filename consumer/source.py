@@ -3,9 +3,10 @@
 It alone calls the consumer (a librdkafka consumer is not to be shared across threads). Each turn of its loop:
 
 1. fetch what is ready (``_fetch``);
-2. take in each record (``_intake``): track it with the commit tracker before anything that can fail, decode
-   it (a record that cannot be read becomes a dead letter, never an exception), and route it on; whatever a
-   record does, the loop goes on with the next one;
+2. take in the records (``_intake``): track each with the commit tracker before anything that can fail, decode
+   it (a record that cannot be read becomes a dead letter, never an exception), admit the poll's requests
+   together (``admission``: the handler validates and prices them, one call for all), and route each on;
+   whatever a record does, the loop goes on with the next one;
 3. commit what is answered (``commit.ConsumerCommitter``, or nothing here in exactly-once, where offsets go
    into transactions);
 4. pause or resume the partitions for flow control (``flow``).
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from kinference.consumer.commit import OffsetTracker, PartitionKey, PartitionLedger
+from kinference.consumer.commit import OffsetTracker, PartitionKey
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.flow import FlowControl
 from kinference.consumer.logs import about
@@ -56,6 +57,7 @@ class Source:
         config: ServiceConfig,
         decoder: RequestDecoder,
         tracker: OffsetTracker,
+        admit: Callable[[list[Request]], None],
         route: Callable[[Request], None],
         reject: Callable[[Request], None],
         discard: Callable[[list[PartitionKey]], list[Request]],
@@ -64,12 +66,14 @@ class Source:
         metrics: Metrics,
         consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
     ) -> None:
-        """``route`` takes every decoded request on to admission and batching; ``reject`` answers a request at
-        once (an error reply); ``discard`` removes the not-yet-started requests of partitions being revoked (the
-        batcher's waiting room); ``in_flight`` is what flow control bounds."""
+        """``admit`` validates and prices the readable requests of one poll and never raises; ``route`` takes each
+        request on (to the batcher, or to an error reply); ``reject`` answers a request at once (an error reply);
+        ``discard`` removes the not-yet-started requests of partitions being revoked (the batcher's waiting room);
+        ``in_flight`` is what flow control bounds."""
         self._config = config
         self._decoder = decoder
         self._tracker = tracker
+        self._admit = admit
         self._route = route
         self._reject = reject
         self._committer = committer
@@ -155,6 +159,7 @@ class Source:
     def _intake(self, records: list[Any]) -> None:
         received = time.monotonic()
         next_offsets: dict[PartitionKey, int] = {}
+        requests = []
         for record in records:
             error = record.error()
             if error is not None:
@@ -166,15 +171,18 @@ class Source:
                 log.debug("dropped %s[%d] offset %d: partition not owned, or already consumed", *key, offset)
                 continue
             next_offsets[key] = offset + 1
-            self._take(record, ledger, received)
+            request = self._decoder.decode(record, received)  # never raises: a bad record is a request with an error
+            request.ledger = ledger
+            requests.append(request)
         if next_offsets:
             self._check_positions(next_offsets)
+        self._admit([request for request in requests if request.ok])
+        for request in requests:
+            self._take(request)
 
-    def _take(self, record: Any, ledger: PartitionLedger, received: float) -> None:
-        """Decode and route one tracked record. Nothing it does may leave the loop: the records after it in this
-        batch must still be tracked."""
-        request = self._decoder.decode(record, received)  # never raises: a bad record is a request with an error
-        request.ledger = ledger
+    def _take(self, request: Request) -> None:
+        """Route one tracked request. Nothing it does may leave the loop: the requests after it in this poll must
+        still be routed."""
         try:
             self._route(request)
         except Exception as exc:  # a bug: the record is tracked, so it must still be answered

@@ -1,7 +1,8 @@
 """The stages: preprocess -> inference -> postprocess thread pools over micro-batches.
 
 ``Pipeline`` takes a batch from the batcher only when an inference slot is free (one slot per
-inference thread), splits it into micro-batches of ``micro_batch_size`` and sends them through
+inference thread, plus one for the batch preprocessed while inference runs), splits it into
+micro-batches of ``micro_batch_size`` and sends them through
 three thread pools joined by bounded queues, so pre/post of one micro-batch overlap inference of
 another (TorchServe micro-batching). Each micro-batch carries its own requests, so results match
 their requests whatever order micro-batches finish in. Every outcome, result or error, is set on
@@ -220,10 +221,14 @@ class Pipeline:
         self._next_batch = next_batch
         self._emit = emit
         self._micro = micro_batch_size or max_batch_size
-        self._slots = threading.Semaphore(inference_threads)
+        # One batch per inference thread, and one more: taken and preprocessed while inference runs, it waits in the
+        # inference queue, so an inference thread that finishes starts the next batch at once instead of idling
+        # through the hand-offs to the dispatcher and the preprocess thread (each one a wait for the GIL).
+        in_flight = inference_threads + 1
+        self._slots = threading.Semaphore(in_flight)
         parts_per_batch = -(-max_batch_size // self._micro)
         # A slot admits one batch, so at most this many micro-batches wait in any one stage queue.
-        depth = inference_threads * parts_per_batch + postprocess_threads
+        depth = in_flight * parts_per_batch + postprocess_threads
         self._stopping = threading.Event()
         self._abandon = threading.Event()
         self._warm_up_lock = threading.Lock()

@@ -75,7 +75,7 @@ class TransactionalPublisher(Publisher):
     ) -> None:
         # A request is answered when its transaction commits (``_committed``), not at each acknowledgement.
         super().__init__({**producer_config, "transactional.id": transactional_id}, dead_letter_topic,
-                         on_answered=lambda request: None, queue_size=queue_size, metrics=metrics,
+                         on_answered=lambda requests: None, queue_size=queue_size, metrics=metrics,
                          producer_factory=producer_factory)
         self._tracker = tracker
         self._group_metadata = group_metadata
@@ -129,12 +129,14 @@ class TransactionalPublisher(Publisher):
         return self.failure is not None or self._abandon.is_set() or self._final_cycle_done
 
     def _accept(self, requests: list[Request], now: float) -> None:
+        held = []
         for request in requests:
             ledger: PartitionLedger | None = request.ledger
             if ledger is None or not ledger.attached:
                 continue  # its partition moved on: the new owner answers it
             self._held.setdefault(ledger, {})[request.offset] = request
-            self._tracker.finish(request)  # committable now; counted as held until its transaction commits
+            held.append(request)
+        self._tracker.finish(held)  # committable now; counted as held until their transaction commits
 
     def _tick(self, now: float) -> None:
         final = self._stopping.is_set() and self._inbox.empty()
@@ -188,7 +190,7 @@ class TransactionalPublisher(Publisher):
             self._plans.pop(request, None)
         for delivery in self._sent:
             if delivery.kind == "reply":
-                self._metrics.replies.labels("ok" if delivery.request.ok else "error").inc()
+                self._metrics.labelled(self._metrics.replies, "ok" if delivery.request.ok else "error").inc()
             else:
                 self._metrics.dead_letters.inc()
         self._sent = []

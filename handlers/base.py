@@ -6,8 +6,10 @@ InvalidInput`` (this module and ``kinference.errors``, which import only the sta
 
 The service calls:
 
-1. ``validate(payload)`` once per request as it arrives, in the Kafka poll thread, before batching: keep
-   it cheap. Raise ``InvalidInput`` to reject that request alone (it gets a ``bad_request`` reply; the
+1. ``validate_many(payloads)`` once per poll of requests as they arrive, in the Kafka poll thread, before
+   batching: keep it cheap. By default it calls ``validate(payload)`` for each; a handler can do better for
+   many at once (the text handlers tokenise them in one ``encode_batch`` call, in Rust, without the GIL).
+   ``validate`` raises ``InvalidInput`` to reject that request alone (it gets a ``bad_request`` reply; the
    rest go on). ``cost(item)`` then tells the batcher how many tokens the item will take.
 2. For each micro-batch of validated items (at most ``HandlerContext.max_batch_size``),
    ``preprocess(items)`` in a preprocess thread.
@@ -62,6 +64,17 @@ class Handler(ABC):
         Called in the Kafka poll thread as each request arrives, so it must be cheap: work done here delays
         every request behind it."""
         return payload
+
+    def validate_many(self, payloads: list[Any]) -> list[Any]:
+        """``validate`` for the requests of one poll: one entry per payload, in order, each the item or the
+        exception (``InvalidInput``) that rejects that payload alone."""
+        items: list[Any] = []
+        for payload in payloads:
+            try:
+                items.append(self.validate(payload))
+            except Exception as exc:  # the caller turns it into that request's error reply
+                items.append(exc)
+        return items
 
     def cost(self, item: Any) -> int | None:
         """The tokens one validated item will occupy in a batch (after truncation), known before batching.

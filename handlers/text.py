@@ -168,7 +168,26 @@ class TextHandler(Handler):
 
     def validate(self, payload: Any) -> TextItem:
         text = validate_text(payload, self.max_chars)
-        encoding = self._encoder.encode(text)
+        return self._item(text, self._encoder.encode(text))
+
+    def validate_many(self, payloads: list[Any]) -> list[Any]:
+        """All the texts of a poll in one ``encode_batch``: the Rust tokenizer works on them in parallel, without
+        the GIL, instead of one Python call each in the poll thread."""
+        results: list[Any] = []
+        texts, slots = [], []
+        for payload in payloads:
+            try:
+                texts.append(validate_text(payload, self.max_chars))
+            except InvalidInput as exc:
+                results.append(exc)
+            else:
+                slots.append(len(results))
+                results.append(None)
+        for slot, text, encoding in zip(slots, texts, self._encoder.encode_batch(texts), strict=True):
+            results[slot] = self._item(text, encoding)
+        return results
+
+    def _item(self, text: str, encoding: tokenizers.Encoding) -> TextItem:
         return TextItem(text, encoding.ids, encoding.type_ids if self._token_types else None)
 
     def cost(self, item: TextItem) -> int:

@@ -206,8 +206,11 @@ class Member:
         self.process.send_signal(signal.SIGTERM)
 
     def wait_exit(self, timeout_s: float) -> int:
-        """The exit code (raises ``TimeoutExpired`` past ``timeout_s``)."""
-        code = self.process.wait(timeout_s)
+        """The exit code; past ``timeout_s``, an ``AssertionError`` with the member's last log lines."""
+        try:
+            code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {timeout_s} s after the wait began\n{self.tail()}") from None
         self._ended()
         return code
 

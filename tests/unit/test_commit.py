@@ -28,11 +28,11 @@ def test_commit_position_waits_for_the_lowest_unfinished_offset():
         track(tracker, request)
     assert positions(tracker) == {}
     for request in (requests[1], requests[2], requests[4]):
-        tracker.finish(request)
+        tracker.finish([request])
     assert positions(tracker) == {}  # offset 10 is still unanswered
-    tracker.finish(requests[0])
+    tracker.finish([requests[0]])
     assert positions(tracker) == {P0: 13}  # 10..12 done, 13 pending
-    tracker.finish(requests[3])
+    tracker.finish([requests[3]])
     assert positions(tracker) == {P0: 15}
     assert tracker.in_flight == 0
 
@@ -49,7 +49,7 @@ def test_out_of_order_completion_random_orders():
         rng.shuffle(order)
         finished = set()
         for request in order:
-            tracker.finish(request)
+            tracker.finish([request])
             finished.add(request.offset)
             expected = next(o for o in range(101) if o not in finished)
             assert positions(tracker).get(P0) == (expected if expected > 0 else None)
@@ -61,7 +61,7 @@ def test_committed_offsets_are_not_returned_again():
     tracker.assign([P0])
     request = make_request(offset=0)
     track(tracker, request)
-    tracker.finish(request)
+    tracker.finish([request])
     offsets = tracker.commit_offsets()
     tracker.committed(offsets)
     assert tracker.commit_offsets() == []
@@ -73,7 +73,7 @@ def test_revoked_partition_ignores_late_acknowledgements():
     request = make_request(offset=0)
     track(tracker, request)
     tracker.revoke([P0])
-    tracker.finish(request)  # the reply landed after the partition moved to another member
+    tracker.finish([request])  # the reply landed after the partition moved to another member
     assert tracker.commit_offsets() == []
     tracker.assign([P0])  # re-assigned: a fresh ledger, the old request changes nothing
     assert tracker.commit_offsets() == [] and tracker.in_flight == 0
@@ -86,8 +86,8 @@ def test_abandoned_requests_leave_in_flight_but_block_the_commit_position():
     for request in (done, dropped, after):
         track(tracker, request)
     tracker.abandon([dropped])
-    tracker.finish(done)
-    tracker.finish(after)
+    tracker.finish([done])
+    tracker.finish([after])
     assert tracker.in_flight == 0
     assert tracker.wait_idle(0.01, [P0])
     assert positions(tracker) == {P0: 1}  # never past the abandoned offset 1
@@ -99,7 +99,7 @@ def test_wait_idle_returns_when_the_last_request_finishes():
     request = make_request(offset=0)
     track(tracker, request)
     assert not tracker.wait_idle(0.02)
-    timer = threading.Timer(0.05, tracker.finish, args=(request,))
+    timer = threading.Timer(0.05, tracker.finish, args=([request],))
     timer.start()
     assert tracker.wait_idle(5.0)
 
@@ -110,7 +110,7 @@ def test_partitions_are_independent():
     a, b = make_request(partition=0, offset=5), make_request(partition=1, offset=7)
     track(tracker, a)
     track(tracker, b)
-    tracker.finish(b)
+    tracker.finish([b])
     assert positions(tracker) == {("requests", 1): 8}
     assert tracker.wait_idle(0.01, [("requests", 1)]) and not tracker.wait_idle(0.01, [P0])
 
@@ -131,7 +131,7 @@ def test_a_record_consumed_twice_in_one_assignment_is_tracked_once():
     tracker.assign([P0])
     first, again = make_request(offset=5), make_request(offset=5)
     assert track(tracker, first) and not track(tracker, again)
-    tracker.finish(first)
+    tracker.finish([first])
     assert positions(tracker) == {P0: 6} and tracker.in_flight == 0
 
 
@@ -143,18 +143,18 @@ def test_an_offset_the_consumer_passed_untracked_is_never_committed_over():
     first = make_request(offset=10)
     track(tracker, first)
     tracker.check_position(P0, 11)  # consistent: the next record is right after the last one tracked
-    tracker.finish(first)
+    tracker.finish([first])
     assert positions(tracker) == {P0: 11}
     tracker.check_position(P0, 14)  # 11..13 were handed over but never tracked
     later = make_request(offset=14)
     track(tracker, later)
-    tracker.finish(later)
+    tracker.finish([later])
     assert positions(tracker) == {P0: 11}
     tracker.revoke([P0])
     tracker.assign([P0])  # a new assignment starts clean
     again = make_request(offset=11)
     track(tracker, again)
-    tracker.finish(again)
+    tracker.finish([again])
     assert positions(tracker) == {P0: 12}
 
 
@@ -165,7 +165,7 @@ def test_a_position_behind_the_last_tracked_record_is_no_gap():
     request = make_request(offset=5)
     track(tracker, request)
     tracker.check_position(P0, 3)
-    tracker.finish(request)
+    tracker.finish([request])
     assert positions(tracker) == {P0: 6}
 
 
@@ -189,7 +189,7 @@ def answered_once() -> tuple[ConsumerCommitter, OffsetTracker, Metrics]:
     tracker.assign([P0])
     request = make_request(offset=0)
     track(tracker, request)
-    tracker.finish(request)
+    tracker.finish([request])
     return ConsumerCommitter(tracker, metrics, interval_s=1.0), tracker, metrics
 
 

@@ -74,7 +74,7 @@ class FakeProducer:
 def start_publisher(factories):
     answered = []
     factories = iter(factories)
-    publisher = Publisher({}, "dead", answered.append, queue_size=100, metrics=Metrics(),
+    publisher = Publisher({}, "dead", answered.extend, queue_size=100, metrics=Metrics(),
                           producer_factory=lambda config: next(factories)(config))
     publisher.start()
     return publisher, answered
@@ -143,7 +143,7 @@ def test_transient_failures_past_the_retry_timeout_stop_the_service():
     FakeProducer.instances.clear()
     answered = []
     timed_out = KafkaError(KafkaError._MSG_TIMED_OUT)
-    publisher = Publisher({}, "dead", answered.append, queue_size=10, metrics=Metrics(), delivery_retry_timeout_s=0.3,
+    publisher = Publisher({}, "dead", answered.extend, queue_size=10, metrics=Metrics(), delivery_retry_timeout_s=0.3,
                           producer_factory=lambda c: FakeProducer(c, fate=lambda t: timed_out))
     publisher.start()
     publisher.submit([ok_request()])
@@ -214,7 +214,7 @@ def test_stalled_producer_is_replaced_and_its_records_produced_again():
     FakeProducer.instances.clear()
     answered = []
     factories = iter([SilentProducer, FakeProducer])
-    publisher = Publisher({}, "dead", answered.append, queue_size=100, metrics=Metrics(), stall_timeout_s=0.3,
+    publisher = Publisher({}, "dead", answered.extend, queue_size=100, metrics=Metrics(), stall_timeout_s=0.3,
                           producer_factory=lambda config: next(factories)(config))
     publisher.start()
     publisher.submit([ok_request(offset=i) for i in range(3)])

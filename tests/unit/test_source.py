@@ -96,8 +96,10 @@ def make_source(**overrides: Any):
             raise RuntimeError("routing bug")
         routed.append(request)
 
-    source = Source(config, RequestDecoder("replies", 1000), tracker, route, rejected.append, lambda keys: [],
-                    Committer(), in_flight=lambda: tracker.in_flight, metrics=Metrics(), consumer_factory=FakeConsumer)
+    admitted: list = []
+    source = Source(config, RequestDecoder("replies", 1000), tracker, admitted.extend, route, rejected.append,
+                    lambda keys: [], Committer(), in_flight=lambda: tracker.in_flight, metrics=Metrics(),
+                    consumer_factory=FakeConsumer)
     return source, source._consumer, tracker, routed, rejected
 
 
@@ -136,7 +138,7 @@ def test_a_record_the_consumer_passed_without_the_tracker_is_a_gap():
     source.rebalance.on_assign(consumer, [tp(0)])
     consumer.positions[("requests", 0)] = 5  # the consumer moved past offsets 1..4, never handed over
     source._intake([Record(b'"a"', offset=0)])
-    tracker.finish(routed[0])
+    tracker.finish([routed[0]])
     ledger = routed[0].ledger
     assert ledger.gap == 1 and tracker.commit_offsets()[0].offset == 1
 

@@ -65,7 +65,7 @@ def run_pipeline(handler, batches, *, micro=None, threads=(1, 1, 1), max_batch_s
     for batch in batches:
         for request in batch:
             if request.ok:
-                admit(handler, request)
+                admit(handler, [request])
         pending.put(batch)
     emitted, done = [], threading.Event()
     total = sum(len(b) for b in batches)
@@ -229,10 +229,10 @@ class CostHandler(SquareHandler):
                                   lambda item: 1 / 0])
 def test_a_cost_hook_that_raises_or_returns_no_token_count_fails_its_request_only(cost):
     request = make_request({"x": 3})
-    admit(CostHandler(cost), request)
+    admit(CostHandler(cost), [request])
     assert request.error.code == "handler_error" and request.tokens is None
     good = make_request({"x": 3})
-    admit(CostHandler(lambda item: 7), good)
+    admit(CostHandler(lambda item: 7), [good])
     assert good.ok and good.tokens == 7
 
 
