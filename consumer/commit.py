@@ -162,7 +162,9 @@ class OffsetTracker:
         keys = None if partitions is None else list(partitions)
 
         def idle() -> bool:
-            return all(self._ledgers[k].in_flight <= 0 for k in (keys or self._ledgers) if k in self._ledgers)
+            # An empty list (a cooperative revoke of nothing) waits for nothing, not for every partition.
+            return all(self._ledgers[k].in_flight <= 0 for k in (self._ledgers if keys is None else keys)
+                       if k in self._ledgers)
 
         with self._cond:
             while not idle():

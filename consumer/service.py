@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 _CLOSE_RESERVE_S = 5.0
 """Of the shutdown deadline, the part kept for flushing replies, committing and leaving the group."""
+_PAUSE_WAIT_S = 2.0
+"""At shutdown, how long to wait for the poll thread to pause (one poll turn, normally)."""
 
 
 def resolve_device(spec: str) -> str:
@@ -234,7 +236,7 @@ class Service:
         source, pipeline, publisher, batcher, lag = self.source, self.pipeline, self.publisher, self.batcher, self.lag
         if source is None or pipeline is None or publisher is None or batcher is None or lag is None:
             return  # unreachable once started; spelled out for the type checker
-        source.drain()
+        source.drain(min(_PAUSE_WAIT_S, grace_s / 10))
         # With the publisher gone, in-flight work can never be answered: waiting for it only delays the restart.
         drain_until = deadline - reserve_s if publisher.alive else time.monotonic()
         if not self.tracker.wait_idle(max(0.0, drain_until - time.monotonic())):

@@ -88,6 +88,7 @@ class Source:
         self._consumer = consumer_factory({**config.consumer_config(), **callbacks})
         self._thread = threading.Thread(target=self._run, name="kinference-source", daemon=True)
         self._closing = threading.Event()
+        self._paused_for_good = threading.Event()
         self.broker_up = False
         """Some broker connection is up (librdkafka statistics; also set by a successful assignment)."""
         self.fatal: KafkaError | None = None
@@ -97,13 +98,18 @@ class Source:
                                  on_revoke=self.rebalance.on_revoke, on_lost=self.rebalance.on_lost)
         self._thread.start()
 
-    def drain(self) -> None:
-        """Stop taking new records (partitions pause) but keep the group membership and commits."""
+    def drain(self, timeout_s: float) -> None:
+        """Stop taking new records (partitions pause) but keep the group membership and commits. Returns once the
+        poll thread has paused, so that every record it took is tracked (in flight) by then."""
         self._flow.draining = True
+        if self._thread.is_alive() and not self._paused_for_good.wait(timeout_s):
+            log.warning("shutdown: the poll thread did not pause within %.1f s", timeout_s)
 
     def close(self, deadline: float) -> None:
-        """Commit what is answered, leave the group and close the consumer, by ``deadline`` (monotonic)."""
-        self.rebalance.drain_until = deadline
+        """Commit what is answered, leave the group and close the consumer, by ``deadline`` (monotonic). By then
+        the stages and the publisher have stopped: nothing more can be answered, so the revoke that leaving the
+        group runs commits at once instead of waiting for in-flight requests."""
+        self.rebalance.drain_until = time.monotonic()
         self._closing.set()
         self._thread.join(max(0.0, deadline - time.monotonic()))
 
@@ -142,6 +148,8 @@ class Source:
         self._intake(records)
         self._committer.maybe_commit(self._consumer, time.monotonic())
         self._flow.update(self._consumer, self._in_flight())
+        if self._flow.draining and self._flow.paused:
+            self._paused_for_good.set()
 
     def _fetch(self) -> list[Any]:
         """Whatever is ready, up to ``max_poll_records``, without waiting for a full set: ``consume(n, t)``

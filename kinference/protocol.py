@@ -5,7 +5,10 @@ It needs only orjson, so a client installs without the service. docs/protocol.md
 
 from __future__ import annotations
 
+import array
+import base64
 import struct
+import sys
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -102,3 +105,14 @@ def decode_deadline(raw: bytes) -> int:
         return int(raw.decode("ascii"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"header {DEADLINE_MS} must be epoch milliseconds") from exc
+
+
+def decode_embedding(embedding: str | list[float]) -> list[float]:
+    """An embedding as a list of floats, from either of the embedding handler's ``encoding_format`` values:
+    a JSON array (``float``) or base64 of little-endian float32 (``base64``)."""
+    if isinstance(embedding, list):
+        return embedding
+    floats = array.array("f", base64.b64decode(embedding, validate=True))
+    if sys.byteorder == "big":
+        floats.byteswap()
+    return floats.tolist()

@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_a_small_drain_of_every_contender(tmp_path):
     out = tmp_path / "drain.json"
     assert drain.main(["--requests", "2000", "--embedding-requests", "200", "--sim-capacities", "1",
+                       "--sim-inference-threads", "1",
                        "--out", str(out), "--markdown", str(tmp_path / "drain.md"),
                        "--profiles", str(tmp_path / "profiles")]) == 0
     report = orjson.loads(out.read_bytes())

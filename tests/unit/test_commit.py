@@ -113,6 +113,7 @@ def test_partitions_are_independent():
     tracker.finish([b])
     assert positions(tracker) == {("requests", 1): 8}
     assert tracker.wait_idle(0.01, [("requests", 1)]) and not tracker.wait_idle(0.01, [P0])
+    assert tracker.wait_idle(0.0, [])  # a cooperative revoke of no partition waits for none
 
 
 def test_records_of_partitions_not_assigned_are_refused():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kinference.loadgen.drain import Profile, evaluate_targets, markdown, read_raw_profile, stage_of
+from kinference.loadgen.drain import Profile, evaluate_targets, markdown, read_raw_profile, sim_name, stage_of
 
 ROOT = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982)"
 
@@ -47,6 +47,15 @@ def test_targets_are_ratios_of_one_run():
     missed = evaluate_targets(report(400, 1000, {"kinference-sim@1x-echo": 0.6}, 80, 100))
     assert [(t["value"], t["met"]) for t in missed] == [(0.4, False), ({"kinference-sim@1x-echo": 0.6}, False),
                                                        (0.8, False)]
+
+
+def test_each_inference_thread_count_gets_its_own_verdict():
+    busy = {sim_name(0.5, 1): 0.8, sim_name(1.0, 1): 0.5, sim_name(0.5, 2): 0.95, sim_name(1.0, 2): 0.92}
+    targets = evaluate_targets(report(600, 1000, busy, 95, 100))
+    verdicts = {t["target"]: t["met"] for t in targets if "GPU" in t["target"]}
+    assert verdicts == {"simulated GPU >= 90% busy at every capacity up to the echo drain rate (inference=1)": False,
+                        "simulated GPU >= 90% busy at every capacity up to the echo drain rate (inference=2)": True}
+    assert sim_name(0.5, 2) == "kinference-sim@0.5x-echo,inference=2"
 
 
 def test_markdown_has_a_row_per_drain_and_the_targets():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from kinference.errors import HandlerLoadError
 from kinference.handlers import HandlerContext
 from kinference.handlers.embedding import EmbeddingHandler
+from kinference.protocol import decode_embedding, encode_result
 from tests.models import reference_embeddings, varied_texts
 
 
@@ -26,10 +28,17 @@ def handler() -> EmbeddingHandler:
     return set_up()
 
 
-def embed(handler: EmbeddingHandler, texts: list[str]) -> torch.Tensor:
+def results_on_the_wire(handler: EmbeddingHandler, texts: list[str]) -> list[bytes]:
+    """The reply values a client receives for ``texts``, computed as one batch."""
     items = [handler.validate({"text": text}) for text in texts]
     results = handler.postprocess(handler.inference(handler.preprocess(items)), items)
-    return torch.tensor([result["embedding"] for result in results])
+    return [encode_result(result) for result in results]
+
+
+def embed(handler: EmbeddingHandler, texts: list[str]) -> torch.Tensor:
+    """The embeddings as a client reads them from the replies."""
+    values = results_on_the_wire(handler, texts)
+    return torch.tensor([decode_embedding(orjson.loads(value)["result"]["embedding"]) for value in values])
 
 
 @pytest.mark.model
@@ -59,12 +68,33 @@ def test_similar_sentences_are_closer_than_unrelated_ones(handler: EmbeddingHand
 
 
 @pytest.mark.model
-def test_results_are_json_lists_of_384_unit_length_floats(handler: EmbeddingHandler) -> None:
-    items = [handler.validate({"text": text}) for text in ["one", "two words"]]
-    results = handler.postprocess(handler.inference(handler.preprocess(items)), items)
-    assert orjson.loads(orjson.dumps(results)) == results
-    assert [len(result["embedding"]) for result in results] == [384, 384]
-    assert torch.tensor([r["embedding"] for r in results]).norm(dim=1).tolist() == pytest.approx([1.0, 1.0])
+def test_results_are_json_arrays_that_read_back_as_the_exact_float32_values(handler: EmbeddingHandler) -> None:
+    texts = ["one", "two words"]
+    items = [handler.validate({"text": text}) for text in texts]
+    exact = handler.inference(handler.preprocess(items)).numpy()
+    read = [orjson.loads(value)["result"]["embedding"] for value in results_on_the_wire(handler, texts)]
+    assert [len(embedding) for embedding in read] == [384, 384]
+    np.testing.assert_array_equal(np.array(read, dtype=np.float32), exact)
+    assert np.linalg.norm(exact, axis=1).tolist() == pytest.approx([1.0, 1.0])
+
+
+@pytest.mark.model
+def test_base64_encoding_carries_the_same_float32_values_in_under_half_the_bytes(handler: EmbeddingHandler) -> None:
+    texts = varied_texts(8)
+    as_floats = results_on_the_wire(handler, texts)
+    as_base64 = results_on_the_wire(set_up(encoding_format="base64"), texts)
+    assert all(isinstance(orjson.loads(value)["result"]["embedding"], str) for value in as_base64)
+    torch.testing.assert_close(embed(set_up(encoding_format="base64"), texts), embed(handler, texts), rtol=0, atol=0)
+    ratio = sum(map(len, as_base64)) / sum(map(len, as_floats))
+    print(f"\nbytes per reply: float {sum(map(len, as_floats)) / 8:.0f}, base64 {sum(map(len, as_base64)) / 8:.0f}")
+    assert ratio < 0.5, ratio
+
+
+def test_decode_embedding_refuses_bytes_that_are_not_float32s() -> None:
+    assert decode_embedding([0.5, 1.0]) == [0.5, 1.0]
+    assert decode_embedding("AAAAPwAAgD8=") == [0.5, 1.0]
+    with pytest.raises(ValueError):
+        decode_embedding("AAAA")  # 3 bytes
 
 
 @pytest.mark.model
@@ -91,6 +121,12 @@ def test_describe_names_the_bundled_model(handler: EmbeddingHandler) -> None:
 def test_a_non_boolean_normalize_fails_setup() -> None:
     with pytest.raises(HandlerLoadError, match="normalize must be true or false, not 'yes'"):
         set_up(normalize="yes")
+
+
+@pytest.mark.model
+def test_an_unknown_encoding_format_fails_setup() -> None:
+    with pytest.raises(HandlerLoadError, match="encoding_format must be one of float, base64, not 'binary'"):
+        set_up(encoding_format="binary")
 
 
 def test_without_the_bundled_model_setup_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

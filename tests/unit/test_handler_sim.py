@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -35,6 +36,19 @@ def test_requests_are_tokenised_as_the_embedding_handler_does_and_the_device_tim
     stats = sim.stats()
     assert stats["calls"] == 1 and stats["busy_s"] == pytest.approx(expected)
     assert sim.describe()["simulated"] == "20 ms + 1000 us/token"
+
+
+def test_batches_from_several_threads_queue_on_one_device():
+    """Two threads (two CUDA streams) share the device: their batches run one after the other, so each call
+    waits for its own batch plus the one queued before it, and the device is never busy twice at once."""
+    sim = set_up(fixed_ms=50, per_token_us=0)
+    inputs = sim.preprocess([sim.validate({"text": "one device"})])
+    started = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(sim.inference, [inputs, inputs]))
+    took = time.perf_counter() - started
+    assert 0.100 <= took < 0.150
+    assert sim.stats() == {"busy_s": pytest.approx(0.100), "calls": 2}
 
 
 @pytest.mark.parametrize("option", [{"fixed_ms": -1}, {"per_token_us": "fast"}, {"per_token_us": True}])
