@@ -25,6 +25,7 @@ from kinference.errors import HandlerLoadError, InvalidInput
 from kinference.handlers.accelerate import Accelerator
 from kinference.handlers.base import Handler, HandlerContext
 from kinference.handlers.options import one_of, positive_int
+from kinference.handlers.runtime import forward_for
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -95,7 +96,8 @@ class TextHandler(Handler):
     ``max_chars`` (longer requests are rejected, default 20000), ``dtype`` (float32, float16 or bfloat16),
     and, described in handlers/accelerate.py, ``amp`` (none, float16 or bfloat16; default none), ``compile``
     (default false), ``compile_backend`` (default inductor) and ``shape_buckets`` (default: as ``compile``);
-    plus each subclass's own ``defaults``.
+    in handlers/runtime.py, ``runtime`` (torch or onnxruntime) and ``quantize`` (none or int8); plus each
+    subclass's own ``defaults``.
     """
 
     model_class: ClassVar[Any]
@@ -109,6 +111,8 @@ class TextHandler(Handler):
         "compile": False,
         "compile_backend": "inductor",
         "shape_buckets": None,  # None: on when compiling
+        "runtime": "torch",
+        "quantize": "none",
     }
     """Every option the handler knows, with its default; anything else is a typo and fails setup."""
 
@@ -133,7 +137,9 @@ class TextHandler(Handler):
             )
         self._encoder = encoder(self.tokenizer, self.max_length)
         self._token_types = "token_type_ids" in self.tokenizer.model_input_names
-        self._forward = self.accelerator.compile(self.model)
+        example = self._collate([self._item("an example", self._encoder.encode("an example"))] * 2, 2, 16)
+        self._onnx = forward_for(self.name, options, self.model, example.tensors, self.device, dtype)
+        self._forward = self._onnx or self.accelerator.compile(self.model)
         self.configure(options)
 
     def default_model(self) -> tuple[str, Path]:
@@ -243,4 +249,5 @@ class TextHandler(Handler):
 
     def describe(self) -> dict[str, str]:
         labels = {"handler": self.name, "model": self.model_name, "device": str(self.device)}
-        return {**labels, **self.accelerator.describe()}
+        runtime = "torch" if self._onnx is None else "onnxruntime" + ("-int8" if self._onnx.quantized else "")
+        return {**labels, **self.accelerator.describe(), "runtime": runtime}

@@ -40,6 +40,8 @@ COMMANDS = {
                      "every scenario side by side on one embedded broker"),
     "drain": Command("kinference.loadgen.drain", "serve,loadgen,embedded",
                      "how fast each contender drains a backlog, and where its time goes"),
+    "cpu-paths": Command("kinference.loadgen.cpu_paths", "serve,loadgen,embedded,onnx",
+                         "the embedding handler's CPU options side by side: speed and cosine to float32"),
 }
 
 

@@ -114,6 +114,7 @@ def test_describe_names_the_bundled_model(handler: EmbeddingHandler) -> None:
         "amp": "none",
         "compile": "off",
         "shape_buckets": "off",
+        "runtime": "torch",
     }
 
 
