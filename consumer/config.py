@@ -129,9 +129,11 @@ class ServiceConfig(BaseModel):
 
     # --- Model
     handler: str = Field(
-        "embedding", description="echo, embedding, text-classification, or module:Class."
+        "embedding", description="echo, embedding, text-classification, image-classification, sim, or module:Class."
     )
-    model: Path | None = Field(None, description="Local model directory (default: the handler's own).")
+    model: Path | None = Field(
+        None, description="Local model directory, or file for image-classification (default: the handler's own)."
+    )
     handler_options: dict[str, Any] = Field({}, description="Handler settings (key=value; repeatable).")
     device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
 

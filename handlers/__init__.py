@@ -12,6 +12,7 @@ BUILTIN = {
     "embedding": "kinference.handlers.embedding:EmbeddingHandler",
     "text-classification": "kinference.handlers.classification:TextClassificationHandler",
     "sim": "kinference.handlers.sim:SimulatedAccelerator",
+    "image-classification": "kinference.handlers.image:ImageClassificationHandler",
 }
 
 __all__ = ["BUILTIN", "Handler", "HandlerContext", "load_handler"]

