@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import orjson
 from pydantic import ValidationError
 from rich import box
 from rich.console import Console
@@ -60,6 +59,7 @@ from kinference.loadgen.contender import READY_TIMEOUT_S, Serve, Topics, contend
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
 from kinference.loadgen.errors import ClientError
 from kinference.loadgen.live import ProgressView
+from kinference.loadgen.outputs import add_report_arguments, write_reports
 from kinference.loadgen.plot import plot_sweep
 from kinference.loadgen.report import percentiles
 from kinference.loadgen.runner import LoadPlan, RunResult, run_sweep
@@ -572,9 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="in-process batch sizes to try (default: 1,8,32; --quick: 1,8)")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default: 0)")
     parser.add_argument("--quick", action="store_true", help="a tiny run: smoke test of the whole command")
-    parser.add_argument("--out", type=Path, help="write the JSON report here")
     parser.add_argument("--plot", type=Path, help="write the PNG plot here")
-    parser.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
+    add_report_arguments(parser)
     parser.add_argument("--no-progress", action="store_true", help="no live progress bars")
     return parser
 
@@ -616,22 +615,12 @@ def main(argv: list[str]) -> int:
         console.print(f"[red]kinference bench failed: {exc}[/red]")
         return 1
     print_report(report, console)
-    for name, path, write in (("report", args.out, _write_json), ("plot", args.plot, plot_bench),
-                              ("markdown", args.markdown, _write_markdown)):
-        if path:
-            write(report, path)
-            console.print(f"{name}: {path}")
+    for path in write_reports(report, args, markdown):
+        console.print(f"written: {path}")
+    if args.plot:
+        plot_bench(report, args.plot)
+        console.print(f"plot: {args.plot}")
     return 0
-
-
-def _write_json(report: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-
-
-def _write_markdown(report: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown(report))
 
 
 def _corpora(text: str) -> list[str]:

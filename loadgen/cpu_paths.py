@@ -15,15 +15,14 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import orjson
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
+from kinference.loadgen.outputs import add_report_arguments, write_reports
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "torch": {},
@@ -105,8 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--corpus", choices=sorted(PROFILES), default="mixed")
     parser.add_argument("--batch-size", type=int, default=32, help="(default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
-    parser.add_argument("--out", type=Path, help="write the JSON report here")
-    parser.add_argument("--markdown", type=Path, help="write the table as Markdown here")
+    add_report_arguments(parser)
     return parser
 
 
@@ -122,8 +120,5 @@ def main(argv: list[str]) -> int:
     texts = [payload["text"] for payload in builtin_corpus(args.corpus, size=args.texts)]
     report = measure(args.variants, texts, args.batch_size, args.rounds, console)
     console.print(table(report))
-    if args.out:
-        args.out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    if args.markdown:
-        args.markdown.write_text(markdown(report))
+    write_reports(report, args, markdown)
     return 0

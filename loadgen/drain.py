@@ -58,6 +58,7 @@ from kinference.loadgen.baselines import CommittingRelay, LoopThread
 from kinference.loadgen.bench import measure_ceiling, serve_kinference, serve_loop
 from kinference.loadgen.contender import Serve, Topics, contender, setup_logging
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
+from kinference.loadgen.outputs import add_report_arguments, write_reports
 from kinference.protocol import CORRELATION_ID, REPLY_TO, SPRING_REPLY_PARTITION, encode_partition
 
 COMMIT_INTERVAL_S = 0.1
@@ -468,8 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profiles", type=Path, metavar="DIR",
                         help="keep each contender's raw py-spy profile here (collapsed stacks, for flame graphs)")
     parser.add_argument("--quick", action="store_true", help="a small run: 20,000 requests, 1,000 for the model")
-    parser.add_argument("--out", type=Path, help="write the JSON report here")
-    parser.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
+    add_report_arguments(parser)
     return parser
 
 
@@ -490,8 +490,5 @@ def main(argv: list[str]) -> int:
     console.print(drain_table(report))
     for target in report["targets"]:
         console.print(f"{'met' if target['met'] else 'MISSED'}: {target['target']}: {target['value']}")
-    if args.out:
-        args.out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    if args.markdown:
-        args.markdown.write_text(markdown(report))
+    write_reports(report, args, markdown)
     return 0

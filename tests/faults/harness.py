@@ -112,6 +112,9 @@ class Settings:
             "--max-in-flight", str(self.max_in_flight),
             "--max-poll-records", str(self.max_poll_records),
             "--commit-interval-ms", str(self.commit_interval_ms),
+            # Tests wait up to 30 s for a SIGTERMed member: its own deadline must end well before (a test's
+            # extra arguments come last and win).
+            "--shutdown-grace-s", "10",
             *[arg for key, value in LOW_LATENCY_CONSUMER.items() for arg in ("--kafka-consumer", f"{key}={value}")],
         ]
         if self.group_protocol == "classic":

@@ -110,9 +110,8 @@ def test_records_dequeued_with_a_revoke_are_left_to_the_next_owner(fault_setting
     """Eight rebalances under load with a model that holds the GIL: the poll thread often waits for
     the GIL between poll() returning a record and the consume() that serves the revoke, the window in
     which a record of a revoked partition slips through. (A 2 s session makes each rebalance ~1 s.)"""
-    # A 10 s shutdown deadline: a joiner's SIGTERM exit is bounded well inside the 30 s the test waits for it.
-    settings = fault_settings(extra=("--handler-options", "spin_s=0.02", "--shutdown-grace-s", "10"),
-                              session_timeout_ms=2000, heartbeat_interval_ms=500)
+    settings = fault_settings(extra=("--handler-options", "spin_s=0.02"), session_timeout_ms=2000,
+                              heartbeat_interval_ms=500)
     with Group(settings) as group, client_for(settings) as client:
         group.start("a")
         group.wait_stable(STABLE_S)
