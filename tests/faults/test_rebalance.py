@@ -22,6 +22,7 @@ from tests.faults.harness import (
     CommitWatch,
     Group,
     Load,
+    Member,
     Settings,
     audit,
     check,
@@ -41,6 +42,20 @@ STEADY_S = 3.0  # load on each group shape before the next change
 STABLE_S = 40.0
 
 
+def joins(group: Group, name: str, steps: dict[str, float]) -> Member:
+    """Start member ``name``; record how long the group took to settle, as ``steps["join <name>"]``."""
+    member = group.start(name)
+    steps[f"join {name}"] = group.wait_stable(STABLE_S)
+    return member
+
+
+def leaves_on_sigterm(group: Group, member: Member, steps: dict[str, float]) -> None:
+    """SIGTERM ``member``: it exits 0; record how long the group took to settle, as ``steps["SIGTERM <name>"]``."""
+    member.terminate()
+    assert member.wait_exit(30) == 0, member.tail()
+    steps[f"SIGTERM {member.name}"] = group.wait_stable(STABLE_S)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("assignor", ["range", "cooperative-sticky"])
 def test_grow_and_shrink_under_load_hands_partitions_over_cleanly(fault_settings, assignor):
@@ -56,16 +71,12 @@ def test_grow_and_shrink_under_load_hands_partitions_over_cleanly(fault_settings
         group.wait_stable(STABLE_S)
         load = Load(client, RATE, 100_000).start()
         time.sleep(STEADY_S)
-        b = group.start("b")
-        steps["join b"] = group.wait_stable(STABLE_S)
+        b = joins(group, "b", steps)
         time.sleep(STEADY_S)
-        c = group.start("c")
-        steps["join c"] = group.wait_stable(STABLE_S)
+        c = joins(group, "c", steps)
         assert all(len(m.owned or ()) == 1 for m in (a, b, c)), "3 members should own one partition each"
         time.sleep(STEADY_S)
-        c.terminate()
-        assert c.wait_exit(30) == 0, c.tail()
-        steps["SIGTERM c"] = group.wait_stable(STABLE_S)
+        leaves_on_sigterm(group, c, steps)
         time.sleep(STEADY_S)
         b.kill()
         steps["SIGKILL b"] = group.wait_stable(STABLE_S)
@@ -154,15 +165,11 @@ def test_work_a_rebalance_costs_with_the_eager_and_the_incremental_protocol(faul
             group.wait_stable(STABLE_S)
             load = Load(client, RATE, 100_000).start()
             time.sleep(STEADY_S)  # a alone serves 80 req/s of the 150 sent: a backlog waits in its batcher
-            group.start("b")
-            steps["join b"] = group.wait_stable(STABLE_S)
+            joins(group, "b", steps)
             time.sleep(STEADY_S)
-            c = group.start("c")
-            steps["join c"] = group.wait_stable(STABLE_S)
+            c = joins(group, "c", steps)
             time.sleep(STEADY_S)
-            c.terminate()
-            assert c.wait_exit(30) == 0, c.tail()
-            steps["SIGTERM c"] = group.wait_stable(STABLE_S)
+            leaves_on_sigterm(group, c, steps)
             time.sleep(STEADY_S)
             load.stop()
             load.join(10)
