@@ -139,14 +139,27 @@ class Batcher:
         if not self._entries:
             return None
         count = len(self._entries)
-        if self.policy == "greedy" or count >= self.max_batch_size or (
-            self.max_batch_bytes is not None and self._waiting_bytes >= self.max_batch_bytes
-        ):
+        if self.policy == "greedy" or self._full():
             return 0.0
         oldest = self._oldest().request
         if self.policy == "static":
             return max(0.0, oldest.received + self.max_batch_delay_s - now)
         return self._adaptive_hold_s(oldest, count, now)
+
+    def _due(self, now: float, only_full: Callable[[], bool]) -> float | None:
+        wait = self.wait_s(now)
+        if wait == 0.0 and not self._full() and only_full():
+            return None  # until wake(), or more requests arrive
+        return wait
+
+    def _full(self) -> bool:
+        return len(self._entries) >= self.max_batch_size or (
+            self.max_batch_bytes is not None and self._waiting_bytes >= self.max_batch_bytes)
+
+    def wake(self) -> None:
+        """An inference thread is free: a waiting ``next_batch`` looks again."""
+        with self._cond:
+            self._cond.notify_all()
 
     def _adaptive_hold_s(self, oldest: Request, count: int, now: float) -> float:
         fitted = self.cost.fit()
@@ -167,20 +180,22 @@ class Batcher:
         """What one request adds to a batch's work: its tokens when the handler counts them, else 1."""
         return self._waiting_tokens / self._counted if self._counted else 1.0
 
-    def next_batch(self, timeout_s: float) -> list[Request]:
-        """Block until a batch is due and return it; an empty list on timeout or close."""
+    def next_batch(self, timeout_s: float, only_full: Callable[[], bool] = lambda: False) -> list[Request]:
+        """Block until a batch is due and return it; an empty list on timeout or close. While ``only_full()`` is
+        true, only a full batch is due (the caller would only queue it behind running ones); ``wake`` makes a
+        waiting call ask again."""
         deadline = self._clock() + timeout_s
         while True:
             with self._cond:
                 now = self._clock()
-                wait = self.wait_s(now)
+                wait = self._due(now, only_full)
                 while wait != 0.0 and not self._closed:
                     remaining = deadline - now
                     if remaining <= 0:
                         return []
                     self._cond.wait(remaining if wait is None else min(wait, remaining))
                     now = self._clock()
-                    wait = self.wait_s(now)
+                    wait = self._due(now, only_full)
                 if self._closed:
                     return []
                 batch, rejected = self._take(now)

@@ -162,6 +162,7 @@ class Service:
             micro_batch_size=config.micro_batch_size,
             metrics=self.metrics,
             observe=self.batcher.observe,
+            wake=self.batcher.wake,
         )
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed)

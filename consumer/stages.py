@@ -203,7 +203,7 @@ class Pipeline:
     def __init__(
         self,
         handler: Handler,
-        next_batch: Callable[[float], list[Request]],
+        next_batch: Callable[[float, Callable[[], bool]], list[Request]],
         emit: Callable[[list[Request]], None],
         *,
         preprocess_threads: int = 1,
@@ -213,19 +213,30 @@ class Pipeline:
         micro_batch_size: int | None = None,
         metrics: Metrics | None = None,
         observe: Callable[[int, float], None] = lambda work, seconds: None,
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
-        """``observe(work, seconds)`` learns the cost of each inference call (``Batcher.observe``)."""
+        """``next_batch(timeout_s, only_full)`` blocks until a batch is due (``Batcher.next_batch``); while
+        ``only_full()`` is true it may return only a full batch. ``wake()`` makes it look again: called when an
+        inference thread frees up. ``observe(work, seconds)`` learns the cost of each inference call
+        (``Batcher.observe``)."""
         self._handler = handler
         self._observe = observe
         self._metrics = metrics = metrics or Metrics()
         self._next_batch = next_batch
         self._emit = emit
         self._micro = micro_batch_size or max_batch_size
-        # One batch per inference thread, and one more: taken and preprocessed while inference runs, it waits in the
-        # inference queue, so an inference thread that finishes starts the next batch at once instead of idling
-        # through the hand-offs to the dispatcher and the preprocess thread (each one a wait for the GIL).
+        # One batch per inference thread, and one more when a full batch waits (a backlog): taken and preprocessed
+        # while inference runs, it waits in the inference queue, so an inference thread that finishes starts the
+        # next batch at once instead of idling through the hand-offs to the dispatcher and the preprocess thread
+        # (each one a wait for the GIL). Only a full batch: a partial one keeps waiting in the batcher, where its
+        # policy may still grow it and its requests' deadlines are still checked, until a thread is free.
         in_flight = inference_threads + 1
+        self._inference_threads = inference_threads
         self._slots = threading.Semaphore(in_flight)
+        self._running = 0
+        """Batches taken whose inference has not finished."""
+        self._running_lock = threading.Lock()
+        self._wake = wake
         parts_per_batch = -(-max_batch_size // self._micro)
         # A slot admits one batch, so at most this many micro-batches wait in any one stage queue.
         depth = in_flight * parts_per_batch + postprocess_threads
@@ -283,7 +294,7 @@ class Pipeline:
             if not self._slots.acquire(timeout=_POLL_S):
                 continue
             try:
-                batch = self._next_batch(_POLL_S)
+                batch = self._next_batch(_POLL_S, self._prefetching)
             except Exception:
                 log.exception("batcher failed; retrying")
                 batch = []
@@ -292,12 +303,24 @@ class Pipeline:
                 continue
             self._metrics.batch_size.observe(len(batch))
             parts = [batch[i : i + self._micro] for i in range(0, len(batch), self._micro)]
-            ticket = BatchTicket(len(parts), self._slots.release)
+            with self._running_lock:
+                self._running += 1
+            ticket = BatchTicket(len(parts), self._inference_done)
             try:
                 for part in parts:
                     self._pre.put(MicroBatch(part, ticket, active=[request for request in part if request.ok]))
             except Abandoned:
                 return
+
+    def _prefetching(self) -> bool:
+        """Every inference thread has a batch: the next one would wait in the inference queue."""
+        return self._running >= self._inference_threads
+
+    def _inference_done(self) -> None:
+        with self._running_lock:
+            self._running -= 1
+        self._slots.release()
+        self._wake()
 
     def _preprocess(self, micro_batch: MicroBatch) -> None:
         micro_batch.items = [request.item for request in micro_batch.active]

@@ -323,3 +323,26 @@ def test_adaptive_on_cpu_like_cost_behaves_greedy():
         batcher.arrivals.add(clock.now)
     batcher.put(make_request(received=clock.now))
     assert batcher.wait_s(clock.now) == 0.0
+
+
+def test_while_only_full_batches_may_go_a_partial_one_waits_until_woken():
+    """The pipeline's prefetch: with every inference thread busy it takes only a full batch; a partial one stays
+    in the batcher (its deadlines still checked there) until ``wake`` says a thread is free."""
+    batcher, _ = make_batcher("greedy", size=4, clock=time.monotonic)
+    busy = threading.Event()
+    busy.set()
+    batcher.put(make_request(received=time.monotonic()))
+    assert batcher.next_batch(0.05, busy.is_set) == []
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(batcher.next_batch(10.0, busy.is_set)))
+    waiter.start()
+    time.sleep(0.1)
+    assert waiter.is_alive()
+    busy.clear()
+    batcher.wake()
+    waiter.join(2)
+    assert not waiter.is_alive() and len(result[0]) == 1
+    for _ in range(4):
+        batcher.put(make_request(received=time.monotonic()))
+    busy.set()
+    assert len(batcher.next_batch(0.0, busy.is_set)) == 4  # a full batch goes even so

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from kinference.consumer.admission import admit
+from kinference.consumer.batcher import Batcher
 from kinference.consumer.stages import Pipeline, finite
 from kinference.errors import InvalidInput, RequestError
 from kinference.handlers.base import Handler
-from tests.fakes import make_request
+from tests.fakes import make_request, wait_for
 
 
 class SquareHandler(Handler):
@@ -70,7 +71,7 @@ def run_pipeline(handler, batches, *, micro=None, threads=(1, 1, 1), max_batch_s
     emitted, done = [], threading.Event()
     total = sum(len(b) for b in batches)
 
-    def next_batch(timeout_s):
+    def next_batch(timeout_s, only_full):
         try:
             return pending.get(timeout=timeout_s)
         except queue.Empty:
@@ -208,7 +209,7 @@ def test_a_failing_warm_up_fails_start_and_stops_the_threads():
         def warm_up(self):
             raise RuntimeError("CUDA out of memory")
 
-    pipeline = Pipeline(ColdModel(), lambda timeout_s: [], lambda requests: None, max_batch_size=4)
+    pipeline = Pipeline(ColdModel(), lambda timeout_s, only_full: [], lambda requests: None, max_batch_size=4)
     with pytest.raises(RuntimeError, match="out of memory"):
         pipeline.start()
     time.sleep(0.2)
@@ -253,8 +254,8 @@ def test_stop_returns_by_its_deadline_when_a_handler_call_never_returns():
     batches: queue.Queue = queue.Queue()
     for i in range(6):
         batches.put([make_request({"x": i})])
-    pipeline = Pipeline(handler, lambda timeout: [] if batches.empty() else batches.get(), lambda requests: None,
-                        max_batch_size=1)
+    pipeline = Pipeline(handler, lambda timeout, only_full: [] if batches.empty() else batches.get(),
+                        lambda requests: None, max_batch_size=1)
     pipeline.start()
     assert handler.entered.wait(5)
     started = time.monotonic()
@@ -282,3 +283,34 @@ def test_inference_threads_warm_up_one_at_a_time():
     pipeline.start()
     assert pipeline.stop(5)
     assert not handler.overlap
+
+
+def test_a_busy_inference_thread_gets_a_full_batch_queued_behind_it_but_never_a_partial_one():
+    """Prefetch with one inference thread and a real batcher: while a batch runs, a partial batch keeps waiting
+    in the batcher (where the policy and the deadlines still apply), a full one is taken and preprocessed."""
+    handler = StuckHandler()
+    emitted: list = []
+    batcher = Batcher("greedy", 4, 0.0, lambda request: None)
+    pipeline = Pipeline(handler, batcher.next_batch, emitted.extend, max_batch_size=4, wake=batcher.wake)
+
+    def put(*values):
+        for value in values:
+            request = make_request({"x": value})
+            admit(handler, [request])
+            batcher.put(request)
+
+    pipeline.start()
+    try:
+        put(1)
+        assert handler.entered.wait(5)  # that batch holds the only inference thread
+        put(2, 3)
+        time.sleep(0.3)
+        assert batcher.waiting == 2  # partial: not taken
+        put(4, 5)
+        assert wait_for(lambda: batcher.waiting == 0, 2)  # full: taken, waits in the inference queue
+        handler.release.set()
+        assert wait_for(lambda: len(emitted) == 5, 5)
+    finally:
+        handler.release.set()
+        pipeline.stop(5)
+    assert [request.batch_size for request in emitted] == [1, 4, 4, 4, 4]
