@@ -132,7 +132,7 @@ class ImageClassificationHandler(Handler):
             try:
                 rows.append(self._pixels(item))
                 errors.append(None)
-            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            except Exception as exc:  # whatever a decoder raises on one file (OSError, SyntaxError, struct.error...)
                 errors.append(InvalidInput(f"the {item.format} image cannot be decoded ({type(exc).__name__}: "
                                            f"{exc})"))
         if not rows:

@@ -158,3 +158,20 @@ def test_model_files_and_labels_are_found_or_their_absence_explained(tmp_path: P
     (tmp_path / "model.pt").write_bytes(b"not a model")
     with pytest.raises(HandlerLoadError, match="cannot load"):
         set_up(tmp_path)
+
+
+def test_any_decoder_error_fails_only_its_own_image(scripted: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pillow's plugins raise more than OSError on damaged files (struct.error, IndexError...): still one image."""
+    handler = set_up(scripted)
+    decode = handler._pixels
+    damaged = make_picture(300, 300, seed=5)
+
+    def pixels(item):
+        if item.data == damaged:
+            raise IndexError("tuple index out of range")
+        return decode(item)
+
+    monkeypatch.setattr(handler, "_pixels", pixels)
+    results = classify(handler, [make_picture(320, 240), damaged])
+    assert "labels" in results[0]
+    assert isinstance(results[1], InvalidInput) and "IndexError" in str(results[1])
