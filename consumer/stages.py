@@ -1,7 +1,7 @@
 """The stages: preprocess -> inference -> postprocess thread pools over micro-batches.
 
 ``Pipeline`` takes a batch from the batcher only when an inference slot is free (one slot per
-inference thread, plus one for the batch preprocessed while inference runs), splits it into
+inference thread, plus one for a full batch, preprocessed while inference runs), splits it into
 micro-batches of ``micro_batch_size`` and sends them through
 three thread pools joined by bounded queues, so pre/post of one micro-batch overlap inference of
 another (TorchServe micro-batching). Each micro-batch carries its own requests, so results match

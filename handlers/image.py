@@ -41,7 +41,7 @@ from PIL import Image, UnidentifiedImageError
 from kinference.errors import HandlerLoadError, InvalidInput
 from kinference.handlers.base import Handler, HandlerContext
 from kinference.handlers.labels import top_labels
-from kinference.handlers.options import boolean, positive_int
+from kinference.handlers.options import boolean, positive_int, with_defaults
 
 FORMATS = ("JPEG", "PNG", "WEBP")
 MODEL_FILES = ("model.pt2", "model.pt")
@@ -77,11 +77,7 @@ class ImageClassificationHandler(Handler):
     }
 
     def setup(self, context: HandlerContext) -> None:
-        unknown = sorted(set(context.options) - set(self.defaults))
-        if unknown:
-            raise HandlerLoadError(f"{self.name}: unknown handler option(s) {', '.join(unknown)}; "
-                                   f"known: {', '.join(self.defaults)}")
-        options = {**self.defaults, **context.options}
+        options = with_defaults(self.name, self.defaults, context.options)
         for key in ("top_k", "resize", "crop", "max_pixels", "max_side", "max_aspect"):
             setattr(self, key, positive_int(self.name, key, options[key]))
         if self.crop > self.resize:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -94,10 +95,11 @@ class OnnxRuntimeForward:
         return SimpleNamespace(**{self.output_name: torch.from_numpy(output)})
 
 
-def forward_for(handler: str, options: dict[str, Any], model: torch.nn.Module, example: dict[str, torch.Tensor],
-                device: torch.device, dtype: torch.dtype) -> OnnxRuntimeForward | None:
-    """The ONNX Runtime forward when ``options`` ask for it, else None (torch runs the model). Every option
-    that cannot go with ONNX Runtime fails setup, saying why."""
+def forward_for(handler: str, options: dict[str, Any], model: torch.nn.Module,
+                example: Callable[[], dict[str, torch.Tensor]], device: torch.device,
+                dtype: torch.dtype) -> OnnxRuntimeForward | None:
+    """The ONNX Runtime forward when ``options`` ask for it, else None (torch runs the model). ``example()``
+    makes the batch the exporter traces. Every option that cannot go with ONNX Runtime fails setup, saying why."""
     runtime = one_of(handler, "runtime", options["runtime"], RUNTIMES)
     quantize = one_of(handler, "quantize", options["quantize"], QUANTIZE) == "int8"
     if runtime == "torch":
@@ -119,6 +121,6 @@ def forward_for(handler: str, options: dict[str, Any], model: torch.nn.Module, e
         raise HandlerLoadError(f"{handler}: runtime=onnxruntime needs pip install 'kinference[onnx]' ({exc})") from exc
     with tempfile.TemporaryDirectory(prefix="kinference-onnx-") as workdir:
         try:
-            return OnnxRuntimeForward(model, example, quantize, torch.get_num_threads(), Path(workdir))
+            return OnnxRuntimeForward(model, example(), quantize, torch.get_num_threads(), Path(workdir))
         except Exception as exc:  # whatever fails in the export, the service cannot start
             raise HandlerLoadError(f"{handler}: cannot export the model to ONNX Runtime: {exc}") from exc

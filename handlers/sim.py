@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from kinference.errors import HandlerLoadError
 from kinference.handlers.embedding import EmbeddingHandler
@@ -37,17 +37,9 @@ class SimulatedAccelerator(EmbeddingHandler):
     name = "sim"
     defaults = {**EmbeddingHandler.defaults, "fixed_ms": 1.0, "per_token_us": 0.5}
 
-    def _load(self, model_dir: Path, dtype: torch.dtype) -> None:
-        """The tokenizer and the model's configuration only: there are no weights to run."""
-        if not model_dir.is_dir():
-            raise HandlerLoadError(f"{self.name}: model directory {model_dir} does not exist")
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-            self.model = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir, local_files_only=True))
-        except Exception as exc:
-            raise HandlerLoadError(f"{self.name}: cannot load the tokenizer in {model_dir}: {exc}") from exc
-        if self.tokenizer.pad_token_id is None:
-            raise HandlerLoadError(f"{self.name}: the tokenizer in {model_dir} has no pad token to pad batches with")
+    def _load_model(self, model_dir: Path, dtype: torch.dtype) -> Any:
+        """The model's configuration only: there are no weights to run."""
+        return SimpleNamespace(config=AutoConfig.from_pretrained(model_dir, local_files_only=True))
 
     def configure(self, options: dict[str, Any]) -> None:
         super().configure(options)

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from kinference.errors import HandlerLoadError, InvalidInput
 from kinference.handlers.accelerate import Accelerator
 from kinference.handlers.base import Handler, HandlerContext
-from kinference.handlers.options import one_of, positive_int
+from kinference.handlers.options import one_of, positive_int, with_defaults
 from kinference.handlers.runtime import forward_for
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -117,7 +117,7 @@ class TextHandler(Handler):
     """Every option the handler knows, with its default; anything else is a typo and fails setup."""
 
     def setup(self, context: HandlerContext) -> None:
-        options = self._options(context.options)
+        options = with_defaults(self.name, self.defaults, context.options)
         self.max_chars = positive_int(self.name, "max_chars", options["max_chars"])
         self.max_length = positive_int(self.name, "max_length", options["max_length"])
         dtype = DTYPES[one_of(self.name, "dtype", options["dtype"], DTYPES)]
@@ -137,8 +137,7 @@ class TextHandler(Handler):
             )
         self._encoder = encoder(self.tokenizer, self.max_length)
         self._token_types = "token_type_ids" in self.tokenizer.model_input_names
-        example = self._collate([self._item("an example", self._encoder.encode("an example"))] * 2, 2, 16)
-        self._onnx = forward_for(self.name, options, self.model, example.tensors, self.device, dtype)
+        self._onnx = forward_for(self.name, options, self.model, self._export_example, self.device, dtype)
         self._forward = self._onnx or self.accelerator.compile(self.model)
         self.configure(options)
 
@@ -149,28 +148,28 @@ class TextHandler(Handler):
     def configure(self, options: dict[str, Any]) -> None:
         """Read the subclass's own options; the model is loaded by then."""
 
-    def _options(self, given: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(given) - set(self.defaults))
-        if unknown:
-            raise HandlerLoadError(
-                f"{self.name}: unknown handler option(s) {', '.join(unknown)}; known: {', '.join(self.defaults)}"
-            )
-        return {**self.defaults, **given}
-
     def _load(self, model_dir: Path, dtype: torch.dtype) -> None:
         if not model_dir.is_dir():
             raise HandlerLoadError(f"{self.name}: model directory {model_dir} does not exist")
         # local_files_only: a directory without the files must fail here, not reach for the model hub.
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-            model = self.model_class.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
-            self.model = model.eval().to(self.device)
+            self.model = self._load_model(model_dir, dtype)
         except Exception as exc:  # whatever fails while loading, the service cannot start
             raise HandlerLoadError(f"{self.name}: cannot load the model in {model_dir}: {exc}") from exc
         if not getattr(self.tokenizer, "is_fast", False):
             raise HandlerLoadError(f"{self.name}: the tokenizer in {model_dir} has no fast (Rust) version")
         if self.tokenizer.pad_token_id is None:
             raise HandlerLoadError(f"{self.name}: the tokenizer in {model_dir} has no pad token to pad batches with")
+
+    def _export_example(self) -> dict[str, torch.Tensor]:
+        """A batch for the ONNX exporter to trace: two rows, 16 tokens (no size 1, which tracing could fix)."""
+        item = self._item("an example", self._encoder.encode("an example"))
+        return self._collate([item, item], 2, 16).tensors
+
+    def _load_model(self, model_dir: Path, dtype: torch.dtype) -> Any:
+        """The model, in eval mode on the handler's device (the tokenizer is loaded by then)."""
+        return self.model_class.from_pretrained(model_dir, local_files_only=True, dtype=dtype).eval().to(self.device)
 
     def validate(self, payload: Any) -> TextItem:
         text = validate_text(payload, self.max_chars)

@@ -294,7 +294,7 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     # cannot always tell).
     (WAITING, "threading.py", frozenset({"wait", "acquire"})),
     (WAITING, "queue.py", frozenset({"get", "put"})),
-    ("poll: tokenise", "handlers/text.py", frozenset({"validate", "cost"})),
+    ("poll: tokenise", "handlers/text.py", frozenset({"validate", "validate_many", "_item", "cost"})),
     ("poll: admission", "consumer/admission.py", None),
     ("poll: decode", "consumer/request.py", frozenset({"decode"})),
     ("poll: track", "consumer/commit.py", frozenset({"track", "check_position"})),
