@@ -2,8 +2,9 @@
 
 Every field has a default, an env var (``KINFERENCE_`` + the field name upper-cased), a CLI flag
 (``--`` + the field name with dashes) and a YAML key (the field name). Precedence, highest first:
-CLI flag, env var, YAML file (``--config``), default. ``ServiceConfig`` is frozen and validated at
-construction, so a bad value fails at start with a message that names the field.
+CLI flag, env var, YAML file (``--config``), the model's own batch settings (a TorchServe archive's),
+default. ``ServiceConfig`` is frozen and validated at construction, so a bad value fails at start with a
+message that names the field.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import orjson
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from kinference.errors import ConfigError
+from kinference.errors import ConfigError, HandlerLoadError
 
 ENV_PREFIX = "KINFERENCE_"
 
@@ -129,10 +130,12 @@ class ServiceConfig(BaseModel):
 
     # --- Model
     handler: str = Field(
-        "embedding", description="echo, embedding, text-classification, image-classification, sim, or module:Class."
+        "embedding", description="echo, embedding, text-classification, image-classification, torchserve, sim, "
+        "or module:Class.",
     )
     model: Path | None = Field(
-        None, description="Local model directory, or file for image-classification (default: the handler's own)."
+        None, description="Local model directory, or file for image-classification and torchserve (a .mar) "
+        "(default: the handler's own).",
     )
     handler_options: dict[str, Any] = Field({}, description="Handler settings (key=value; repeatable).")
     device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
@@ -427,10 +430,13 @@ def load_config(
     config_file: Path | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> ServiceConfig:
-    """Merge default < YAML < env < CLI and validate; raise ``ConfigError`` with every problem listed.
+    """Merge default < the model's settings < YAML < env < CLI and validate; raise ``ConfigError`` with every
+    problem listed.
 
     Key/value options merge key by key across the layers (``kafka`` from a YAML file plus
-    ``KINFERENCE_KAFKA`` with the SASL password from a secret); every other option is replaced whole.
+    ``KINFERENCE_KAFKA`` with the SASL password from a secret); every other option is replaced whole. The
+    model's settings are those a TorchServe archive carries for itself (``--handler torchserve``: batch size,
+    delay, micro-batching), so that it is served as TorchServe would batch it unless told otherwise.
     """
     layers = [
         read_yaml(config_file) if config_file is not None else {},
@@ -445,11 +451,24 @@ def load_config(
                     values[key] = {**_key_values(values[key]), **_key_values(value)}
                 else:
                     values[key] = value
-        return ServiceConfig(**values)
+        return ServiceConfig(**{**_model_settings(values), **values})
     except ValidationError as exc:
         raise ConfigError(describe_errors(exc)) from exc
     except ValueError as exc:  # a malformed key=value item, found while merging
         raise ConfigError(f"invalid configuration: {exc}") from exc
+
+
+def _model_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """The batch settings of a TorchServe archive (its model-config YAML, and ``ts_config``'s config.properties)."""
+    if values.get("handler") != "torchserve" or not values.get("model"):
+        return {}
+    from kinference.handlers.torchserve_archive import batch_settings
+
+    ts_config = _key_values(values.get("handler_options") or {}).get("ts_config")
+    try:
+        return batch_settings(Path(values["model"]), Path(ts_config) if ts_config else None)
+    except HandlerLoadError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

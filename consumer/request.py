@@ -15,6 +15,7 @@ import orjson
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
 
 from kinference.errors import RequestError
+from kinference.handlers.base import Record
 from kinference.protocol import (
     BATCH_SIZE,
     CORRELATION_ID,
@@ -139,7 +140,7 @@ class RequestDecoder:
             request.headers = _headers(record, request)
             self._read_headers(request)
             self._check_header_size(request.headers)
-            request.payload = self._read_value(request.value)
+            request.payload = self._read_value(request)
         except RequestError as exc:
             request.error = exc
             request.dead_letter = True
@@ -189,7 +190,8 @@ class RequestDecoder:
             raise RequestError(f"request headers are {size} bytes; max_header_bytes is {self.max_header_bytes}",
                                ErrorCode.PAYLOAD_TOO_LARGE)
 
-    def _read_value(self, value: bytes | None) -> Any:
+    def _read_value(self, request: Request) -> Any:
+        value = request.value
         size = len(value) if value is not None else 0
         if size > self.max_request_bytes:
             raise RequestError(
@@ -198,6 +200,9 @@ class RequestDecoder:
             )
         if self.payload_format == "bytes":
             return value or b""
+        if self.payload_format == "record":
+            headers = {name: raw.decode("utf-8", "replace") for name, raw in request.headers if raw is not None}
+            return Record(value or b"", request.key, headers, request.correlation_id)
         if not value:
             raise RequestError("request value is empty; expected a JSON document", ErrorCode.BAD_REQUEST)
         try:

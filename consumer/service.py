@@ -97,7 +97,8 @@ class Service:
             torch.set_num_threads(config.torch_threads)
         self.handler.setup(HandlerContext(device=device, model=_path(config.model),
                                           options=dict(config.handler_options),
-                                          max_batch_size=config.micro_batch_size or config.max_batch_size))
+                                          max_batch_size=config.micro_batch_size or config.max_batch_size,
+                                          registry=self.metrics.registry))
         try:
             self._build(config)
         except KafkaException as exc:
@@ -106,6 +107,9 @@ class Service:
         self._model_ready = True
         self.metrics.model.info(self.handler.describe())
         log.info("handler ready: %s", self.handler.describe())
+        log.info("batching: %s policy, max_batch_size=%d, max_batch_delay_ms=%g, micro_batch_size=%s, parallelism "
+                 "%s", config.batch_policy, config.max_batch_size, config.max_batch_delay_ms, config.micro_batch_size,
+                 config.parallelism.model_dump())
         self.publisher.start()  # type: ignore[union-attr]
         self.source.start()  # type: ignore[union-attr]
         self.lag.start()  # type: ignore[union-attr]

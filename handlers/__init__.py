@@ -13,6 +13,7 @@ BUILTIN = {
     "text-classification": "kinference.handlers.classification:TextClassificationHandler",
     "sim": "kinference.handlers.sim:SimulatedAccelerator",
     "image-classification": "kinference.handlers.image:ImageClassificationHandler",
+    "torchserve": "kinference.handlers.torchserve:TorchServeHandler",
 }
 
 __all__ = ["BUILTIN", "Handler", "HandlerContext", "load_handler"]

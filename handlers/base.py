@@ -32,6 +32,18 @@ from typing import Any, ClassVar
 from kinference.protocol import PayloadFormat
 
 
+@dataclass(frozen=True, slots=True)
+class Record:
+    """The payload of a ``payload_format = "record"`` handler: the request value with what came beside it."""
+
+    value: bytes
+    key: bytes | None
+    headers: dict[str, str]
+    """The record's headers, values decoded as UTF-8 (undecodable bytes replaced); the last one of a repeated
+    name wins."""
+    correlation_id: str
+
+
 @dataclass(frozen=True)
 class HandlerContext:
     """What ``setup`` gets: where to run and what to load."""
@@ -44,13 +56,17 @@ class HandlerContext:
     """Handler-specific settings from ``--handler-options key=value`` / ``handler_options:`` in YAML."""
     max_batch_size: int = 32
     """The most items one ``preprocess``/``inference`` call will get (the service's micro-batch size)."""
+    registry: Any = None
+    """The service's ``prometheus_client.CollectorRegistry``, for the handler's own metrics (served on /metrics
+    with the service's); None outside the service."""
 
 
 class Handler(ABC):
     """Base class of every handler. Subclasses implement ``preprocess``, ``inference``, ``postprocess``."""
 
     payload_format: ClassVar[PayloadFormat] = "json"
-    """``json``: request values are parsed with orjson; ``bytes``: handed over raw."""
+    """``json``: request values are parsed with orjson; ``bytes``: handed over raw; ``record``: a ``Record``
+    (the raw value, the key, the headers)."""
 
     name: ClassVar[str] = "custom"
     """Shown in logs and the model-info metric."""

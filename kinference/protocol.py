@@ -32,8 +32,9 @@ SPRING_CORRELATION_ID = "kafka_correlationId"
 SPRING_REPLY_TOPIC = "kafka_replyTopic"
 SPRING_REPLY_PARTITION = "kafka_replyPartition"
 
-PayloadFormat = Literal["json", "bytes"]
-"""How a handler wants request values: ``json`` parsed with orjson, ``bytes`` handed over raw."""
+PayloadFormat = Literal["json", "bytes", "record"]
+"""How a handler wants request values: ``json`` parsed with orjson, ``bytes`` handed over raw, ``record`` the raw
+value with the record's key, headers and correlation id (``kinference.handlers.base.Record``)."""
 
 MAX_ERROR_MESSAGE = 1000
 """Error messages are cut to this many characters in replies and dead-letter headers."""

@@ -78,7 +78,7 @@ decoders = st.builds(
     requests.RequestDecoder,
     default_reply_topic=st.just("replies"),
     max_request_bytes=st.sampled_from([1, 64, 1_048_576]),
-    payload_format=st.sampled_from(["json", "bytes"]),
+    payload_format=st.sampled_from(["json", "bytes", "record"]),
     max_header_bytes=st.sampled_from([1, 64, 16_384]),
 )
 
@@ -108,6 +108,9 @@ def test_decode_never_raises_and_every_outcome_encodes(producer, decoder, value,
         assert sum(len(name) + len(raw or b"") for name, raw in request.headers) <= decoder.max_header_bytes
         if decoder.payload_format == "json":
             assert request.payload == orjson.loads(value)
+        elif decoder.payload_format == "record":
+            assert (request.payload.value, request.payload.key) == (value or b"", key)
+            assert request.payload.correlation_id == request.correlation_id
         else:
             assert request.payload == (value or b"")
     assert isinstance(request.correlation_id, str)

@@ -71,6 +71,15 @@ def test_bytes_handlers_get_raw_values():
     assert decoder.decode(FakeRecord(b"\xff\x00")).payload == b"\xff\x00"
 
 
+def test_record_handlers_get_the_value_key_and_headers_with_the_last_repeated_header_winning():
+    decoder = requests.RequestDecoder("replies", 100, payload_format="record")
+    record = FakeRecord(b"\xff", key=b"k", headers=[("content-type", b"text/plain"), ("x", b"1"), ("x", b"\xfe2"),
+                                                    ("empty", None), (protocol.CORRELATION_ID, b"c9")])
+    payload = decoder.decode(record).payload
+    assert (payload.value, payload.key, payload.correlation_id) == (b"\xff", b"k", "c9")
+    assert payload.headers == {"content-type": "text/plain", "x": "\ufffd2", protocol.CORRELATION_ID: "c9"}
+
+
 def test_reply_encoding_and_headers():
     request = DECODER.decode(FakeRecord(b"1", headers=[(protocol.CORRELATION_ID, b"c1")]))
     request.reply_value = protocol.encode_result({"embedding": [0.5]})
