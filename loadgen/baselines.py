@@ -5,7 +5,8 @@
 - ``PerMessageLoop``: poll one record, embed its text, produce the reply, repeat.
 - ``StaticBatchLoop``: TorchServe's batching semantics (a batch leaves with ``batch_size`` records, or
   ``max_delay_ms`` after its first record arrived) with the stages run one after another: collect,
-  preprocess, inference, postprocess, produce, then collect the next batch.
+  preprocess, inference, postprocess, produce, then collect the next batch. What a batch is answered with is
+  an ``Answer`` (``embedding_answers`` for texts; ``kinference bench image`` gives one for images).
 
 Each answers in kinference's reply format (the ``kinference-correlation-id`` header echoed, the reply on the
 topic of ``kinference-reply-to`` and the partition of ``kafka_replyPartition``), so the same load generator
@@ -45,6 +46,8 @@ TRANSPORT_PRODUCER = {"linger.ms": "2"}
 
 _POLL_S = 0.1
 Embed = Callable[[list[str]], list[list[float]]]
+Answer = Callable[[list[bytes]], list[bytes]]
+"""The reply values of one batch of request values, in order."""
 
 
 class LoopThread(ABC):
@@ -192,13 +195,13 @@ class StaticBatchLoop(LoopThread):
 
     name = "static-batch"
 
-    def __init__(self, bootstrap_servers: str, request_topic: str, embed: Embed, batch_size: int,
+    def __init__(self, bootstrap_servers: str, request_topic: str, answer: Answer, batch_size: int,
                  max_delay_ms: float, group_id: str | None = None) -> None:
         if batch_size < 1 or max_delay_ms < 0:
             raise ValueError("batch_size must be >= 1 and max_delay_ms >= 0")
         self.name = f"static-batch-{batch_size}"
         super().__init__(bootstrap_servers, request_topic, group_id)
-        self.embed = embed
+        self.answer = answer
         self.batch_size = batch_size
         self.max_delay_s = max_delay_ms / 1000
 
@@ -206,10 +209,13 @@ class StaticBatchLoop(LoopThread):
         batch = self.collect()
         if not batch:
             return
-        texts = [orjson.loads(record.value())["text"] for record in batch]
-        embeddings = self.embed(texts)
-        for record, embedding in zip(batch, embeddings, strict=True):
-            self.reply(record, orjson.dumps({"result": {"embedding": embedding}}), len(batch))
+        for record, value in zip(batch, self.answer([record.value() or b"" for record in batch]), strict=True):
+            self.reply(record, value, len(batch))
+
+    def stats(self) -> dict[str, float]:
+        """The answer's own figures (``kinference bench image``'s inference time), if it keeps any."""
+        stats = getattr(self.answer, "stats", None)
+        return dict(stats()) if callable(stats) else {}
 
     def collect(self) -> list[Message]:
         """Up to ``batch_size`` records, waiting at most ``max_delay_s`` after the first one arrived."""
@@ -226,6 +232,14 @@ class StaticBatchLoop(LoopThread):
             # consume(n, t) returns with n records or after t: exactly "a full batch or the delay".
             batch += [r for r in self.consumer.consume(self.batch_size - len(batch), timeout) if r.error() is None]
         return batch
+
+
+def embedding_answers(embed: Embed) -> Answer:
+    """Texts of ``{"text": ...}`` requests embedded in one call, answered as kinference's embedding handler."""
+    def answer(values: list[bytes]) -> list[bytes]:
+        embeddings = embed([orjson.loads(value)["text"] for value in values])
+        return [orjson.dumps({"result": {"embedding": embedding}}) for embedding in embeddings]
+    return answer
 
 
 class MiniLM:

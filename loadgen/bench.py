@@ -52,7 +52,15 @@ from kinference.consumer.service import Service, resolve_device
 from kinference.consumer.topics import create_topics
 from kinference.errors import KinferenceError
 from kinference.handlers import Handler, HandlerContext, load_handler
-from kinference.loadgen.baselines import TRANSPORT_CONSUMER, LoopThread, MiniLM, PerMessageLoop, Relay, StaticBatchLoop
+from kinference.loadgen.baselines import (
+    TRANSPORT_CONSUMER,
+    LoopThread,
+    MiniLM,
+    PerMessageLoop,
+    Relay,
+    StaticBatchLoop,
+    embedding_answers,
+)
 from kinference.loadgen.cli import concurrency_list
 from kinference.loadgen.client import Client
 from kinference.loadgen.contender import READY_TIMEOUT_S, Serve, Topics, contender, ready_or_fail, setup_logging
@@ -166,7 +174,7 @@ def _per_message(bootstrap_servers: str, topic: str) -> LoopThread:
 
 
 def _static_batches(size: int, bootstrap_servers: str, topic: str) -> LoopThread:
-    return StaticBatchLoop(bootstrap_servers, topic, MiniLM(), size, STATIC_DELAY_MS)
+    return StaticBatchLoop(bootstrap_servers, topic, embedding_answers(MiniLM()), size, STATIC_DELAY_MS)
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -230,7 +238,7 @@ class Bench:
         runs = self._kafka_runs(payloads)
         report = {
             "command": options.command, "started": started, "wall_s": round(time.monotonic() - self.began, 1),
-            "machine": {**_machine(), "loadavg_start": load_before, "loadavg_end": _loadavg()},
+            "machine": {**machine(), "loadavg_start": load_before, "loadavg_end": _loadavg()},
             "settings": options.settings(),
             "scenarios": [{"name": s.name, "kind": s.kind, "about": s.about} for s in options.scenarios],
             "ceilings": ceilings, "runs": runs,
@@ -458,7 +466,14 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
-    for title, header, rows in tables(report):
+    print_tables(tables(report), console)
+    console.print(f"wall time {report['wall_s']:.0f} s; load average before / after "
+                  f"{report['machine']['loadavg_start']} / {report['machine']['loadavg_end']}")
+
+
+def print_tables(titled: list[tuple[str, list[str], list[list[str]]]], console: Console) -> None:
+    """(title, header, rows) tables on the console: the first column and free text left, numbers right."""
+    for title, header, rows in titled:
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
         wrap = {"target", "detail"}
         for index, name in enumerate(header):
@@ -467,17 +482,20 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         for row in rows:
             table.add_row(*row)
         console.print(table)
-    console.print(f"wall time {report['wall_s']:.0f} s; load average before / after "
-                  f"{report['machine']['loadavg_start']} / {report['machine']['loadavg_end']}")
 
 
 def markdown(report: dict[str, Any]) -> str:
     """The report's tables in Markdown (for docs/benchmarks.md)."""
+    return tables_markdown(report, tables(report))
+
+
+def tables_markdown(report: dict[str, Any], titled: list[tuple[str, list[str], list[list[str]]]]) -> str:
+    """A run's header line (command, machine, wall time, load) and its (title, header, rows) tables in Markdown."""
     machine = report["machine"]
     lines = [f"`{report['command']}`, {report['started']}, {machine['cpus']} CPUs ({machine['cpu']}), "
              f"torch {machine['torch']}, wall time {report['wall_s']:.0f} s, load average "
              f"{machine['loadavg_start']} before / {machine['loadavg_end']} after.", ""]
-    for title, header, rows in tables(report):
+    for title, header, rows in titled:
         lines += [f"**{title}**", "", "| " + " | ".join(header) + " |",
                   "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -523,7 +541,7 @@ def plot_bench(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
     import torch
 
     cpu = platform.processor() or ""
@@ -557,7 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run every scenario (ceilings, user-style baselines, kinference settings) on one embedded broker,\n"
                     "model and corpus; print tables, write JSON and a plot.",
         epilog=f"scenarios:\n{scenarios}\n\nEach Kafka scenario runs in a process of its own. The targets judge the "
-               "kinference setting whose\nbatching matches kinference serve's defaults. See docs/benchmarks.md.",
+               "kinference setting whose\nbatching matches kinference serve's defaults. See docs/benchmarks.md.\n\n"
+               "kinference bench image [--help]: the image-classification scenario (micro-batching, preprocess "
+               "threads).",
     )
     parser.add_argument("--concurrency", type=concurrency_list, metavar="C1,C2,...",
                         help="closed-loop concurrencies (default: 1,4,16,64,256; --quick: 1,4)")
@@ -601,6 +621,10 @@ def options_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchOptions:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["image"]:
+        from kinference.loadgen import image_bench
+
+        return image_bench.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

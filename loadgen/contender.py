@@ -8,7 +8,8 @@ interpreter ("spawn") that gets only a picklable ``serve`` callable (a module-le
 The child reports back over a pipe: ``ready`` once its consumer has partitions, ``stopped`` after it was told
 to stop and shut down cleanly, or ``failed`` with its traceback. Each report is awaited with a timeout, and a
 child that exits without one is an error too. With ``ready`` and ``stopped`` comes the contender's ``stats``:
-its handler's ``stats()`` where it has one (the ``sim`` handler's busy time).
+its handler's (or loop's) ``stats()`` where it has one (the ``sim`` handler's busy time), and a kinference
+service's time in inference calls.
 """
 
 from __future__ import annotations
@@ -108,9 +109,16 @@ def _main(serve: Serve, bootstrap_servers: str, topics: Topics, report: Connecti
 
 
 def _stats(served: Any) -> dict[str, Any]:
-    handler = getattr(served, "handler", None)
-    stats = getattr(handler, "stats", None)
-    return dict(stats()) if callable(stats) else {}
+    """The handler's ``stats()`` (a kinference service's) or the loop's own, and a kinference service's seconds
+    spent in inference calls (``inference_s``, summed over its inference threads)."""
+    owner = getattr(served, "handler", served)
+    stats = getattr(owner, "stats", None)
+    figures = dict(stats()) if callable(stats) else {}
+    registry = getattr(getattr(served, "metrics", None), "registry", None)
+    if registry is not None:
+        inference = registry.get_sample_value("kinference_stage_seconds_sum", {"stage": "inference"})
+        figures["inference_s"] = inference or 0.0
+    return figures
 
 
 def _expect(word: str, child: BaseProcess, receive: Connection, timeout_s: float) -> dict[str, Any]:

@@ -1,0 +1,463 @@
+"""``kinference bench image``: TorchServe's micro-batching claim on image classification, measured in one run.
+
+The claim: when decoding images on the CPU costs about as much as inference, running preprocess, inference and
+postprocess of different micro-batches in parallel threads keeps the model busy while the CPU decodes. Every
+figure comes from this run, on this machine, with the real ``image-classification`` handler:
+
+- the corpus: JPEGs from 320x240 to 1920x1080 generated at start (gradients, shapes and noise, quality 85);
+- the model: a small ResNet-like CNN in plain torch (no torchvision), saved as TorchScript with its labels;
+- the costs: ``d``, one thread's decode + resize + crop + normalise time per image (the handler's
+  ``preprocess``), and ``i``, inference time per image at the micro-batch size (the handler's ``inference``);
+- the in-process pipelined ceiling: decoding in a thread pool feeding the model in this process, no Kafka;
+- the TorchServe-style static loop: a batch of ``static_batch`` (or what came in 50 ms), then decode, infer,
+  postprocess and reply one after another in one thread;
+- kinference with its defaults, and with ``--parallelism preprocess=N`` with and without ``--micro-batch-size``,
+  each in a process of its own, loaded in closed loop at ``concurrency`` through one embedded broker.
+
+Inference busy is the time inside inference calls over the measured wall time (summed over inference threads).
+
+The prediction. With one preprocess thread overlapping inference, a process serves at most
+``min(1/d, 1/i)`` images per second; with N preprocess threads ``min(N/d, 1/i)``. Both share the machine's C
+cores with the inference (torch's own threads) and the broker, so neither can pass ``C / (d + i)``:
+
+    X(N) = min(N / d, 1 / i, C / (d + i)),   predicted gain of N threads over one = X(N) / X(1)
+
+The targets: kinference's defaults reach >= 0.9x the pipelined ceiling, and the best tuned setting beats one
+preprocess thread by at least 0.9x the predicted gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import io
+import os
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+from rich.console import Console
+from torch import nn
+
+from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
+from kinference.consumer.topics import create_topics
+from kinference.errors import KinferenceError
+from kinference.handlers import Handler, HandlerContext, load_handler
+from kinference.loadgen.baselines import Answer, LoopThread, StaticBatchLoop
+from kinference.loadgen.bench import (
+    STATIC_DELAY_MS,
+    machine,
+    print_tables,
+    serve_kinference,
+    serve_loop,
+    tables_markdown,
+)
+from kinference.loadgen.client import Client
+from kinference.loadgen.contender import Serve, contender, setup_logging
+from kinference.loadgen.errors import ClientError
+from kinference.loadgen.live import ProgressView
+from kinference.loadgen.outputs import add_report_arguments, write_reports
+from kinference.loadgen.runner import LoadPlan, run_load
+from kinference.protocol import encode_result
+
+SIZES = ((320, 240), (640, 480), (800, 600), (1024, 768), (1280, 720), (1600, 900), (1920, 1080))
+LABELS = [f"class-{index}" for index in range(10)]
+HANDLER = "image-classification"
+
+
+def jpeg_corpus(count: int, seed: int = 0) -> list[bytes]:
+    """``count`` photo-like JPEGs, sizes cycling through ``SIZES`` (so every size is equally common)."""
+    rng = np.random.default_rng(seed)
+    images = []
+    for index in range(count):
+        width, height = SIZES[index % len(SIZES)]
+        x, y = np.meshgrid(np.linspace(0, 1, width, dtype=np.float32), np.linspace(0, 1, height, dtype=np.float32))
+        phase = rng.uniform(0, 6.28, 3)
+        channels = [0.5 + 0.5 * np.sin(6 * x * (c + 1) + 4 * y + phase[c]) for c in range(3)]
+        pixels = np.stack(channels, axis=-1) * 200 + rng.normal(0, 12, (height, width, 3))
+        image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+        draw = ImageDraw.Draw(image)
+        for _ in range(6):
+            left, top = int(rng.integers(0, width - 20)), int(rng.integers(0, height - 20))
+            box = (left, top, left + int(rng.integers(10, width // 3)), top + int(rng.integers(10, height // 3)))
+            draw.ellipse(box, fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", quality=85)
+        images.append(buffer.getvalue())
+    return images
+
+
+class SmallResNet(nn.Module):
+    """Four strided residual stages, global pooling, a linear head: the shape of an image classifier, small
+    enough that its per-image time is of the order of the per-image decode time on a CPU."""
+
+    def __init__(self, width: int = 40, classes: int = len(LABELS)) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 5, stride=4, padding=2), nn.BatchNorm2d(width), nn.ReLU())
+        stages = []
+        for index in range(3):
+            channels = width * 2 ** index
+            stages += [_Residual(channels), nn.Conv2d(channels, channels * 2, 3, stride=2, padding=1), nn.ReLU()]
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Linear(width * 8, classes)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(pixels)).mean(dim=(2, 3)))
+
+
+class _Residual(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+                                  nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.body(x))
+
+
+def save_model(directory: Path, seed: int = 0) -> Path:
+    """The model (random weights) as TorchScript and its labels, in ``directory``: the handler's ``--model``."""
+    torch.manual_seed(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.jit.script(SmallResNet().eval()).save(str(directory / "model.pt"))
+    (directory / "labels.txt").write_text("\n".join(LABELS) + "\n")
+    return directory
+
+
+def predicted_rate(threads: int, decode_s: float, infer_s: float, cores: int) -> float:
+    """Images per second with ``threads`` preprocess threads overlapping inference (see the module docstring)."""
+    return min(threads / decode_s, 1 / infer_s, cores / (decode_s + infer_s))
+
+
+# --- in-process measurements
+
+
+def loaded_handler(model: Path, max_batch_size: int) -> Handler:
+    handler = load_handler(HANDLER)
+    handler.setup(HandlerContext(device="cpu", model=model, max_batch_size=max_batch_size))
+    handler.warm_up()
+    return handler
+
+
+def measure_costs(handler: Handler, items: list[Any], batch: int) -> dict[str, float]:
+    """``d`` and ``i`` in ms per image: one preprocess thread per image, inference per image at ``batch``."""
+    began = time.perf_counter()
+    for item in items:
+        handler.preprocess([item])
+    decode_ms = (time.perf_counter() - began) * 1000 / len(items)
+    batches = [handler.preprocess(items[start:start + batch]) for start in range(0, len(items) - batch + 1, batch)]
+    handler.inference(batches[0])  # this shape's first call
+    began = time.perf_counter()
+    for pixels in batches:
+        handler.inference(pixels)
+    infer_ms = (time.perf_counter() - began) * 1000 / (len(batches) * batch)
+    return {"decode_ms": round(decode_ms, 3), "infer_ms": round(infer_ms, 3)}
+
+
+def pipelined_ceiling(handler: Handler, items: list[Any], workers: int, micro: int, seconds: float
+                      ) -> dict[str, float]:
+    """Images per second with ``workers`` threads decoding micro-batches of ``micro`` ahead of the model, which
+    runs in this thread (inference + postprocess), for about ``seconds``; and the fraction of it in inference."""
+    chunks = [items[start:start + micro] for start in range(0, len(items), micro)]
+    done, busy = 0, 0.0
+    with ThreadPoolExecutor(workers) as pool:
+        ahead = [pool.submit(handler.preprocess, chunks[index % len(chunks)]) for index in range(2 * workers)]
+        began, index = time.perf_counter(), 2 * workers
+        while time.perf_counter() - began < seconds:
+            inputs = ahead.pop(0).result()
+            ahead.append(pool.submit(handler.preprocess, chunks[index % len(chunks)]))
+            chunk = chunks[(index - 2 * workers) % len(chunks)]
+            index += 1
+            start = time.perf_counter()
+            outputs = handler.inference(inputs)
+            busy += time.perf_counter() - start
+            handler.postprocess(outputs, chunk)
+            done += len(chunk)
+        elapsed = time.perf_counter() - began
+        for future in ahead:
+            future.result()
+    return {"images_per_s": round(done / elapsed, 2), "inference_busy": round(busy / elapsed, 3)}
+
+
+# --- Kafka contenders (module-level, so that they pickle into their own process)
+
+
+class ImageAnswer:
+    """The image handler's four calls on one batch, one after another, timing inference: a static loop's
+    ``Answer``."""
+
+    def __init__(self, model: Path, batch_size: int) -> None:
+        self.handler = loaded_handler(model, batch_size)
+        self.inference_s = 0.0
+
+    def __call__(self, values: list[bytes]) -> list[bytes]:
+        checked = self.handler.validate_many(values)
+        items = [item for item in checked if not isinstance(item, Exception)]
+        if len(items) != len(values):
+            raise ValueError("the image corpus holds only valid images")
+        inputs = self.handler.preprocess(items)
+        start = time.perf_counter()
+        outputs = self.handler.inference(inputs)
+        self.inference_s += time.perf_counter() - start
+        return [encode_result(result) for result in self.handler.postprocess(outputs, items)]
+
+    def stats(self) -> dict[str, float]:
+        return {"inference_s": self.inference_s}
+
+
+def _static_images(model: Path, size: int, bootstrap_servers: str, topic: str) -> LoopThread:
+    answer: Answer = ImageAnswer(model, size)
+    return StaticBatchLoop(bootstrap_servers, topic, answer, size, STATIC_DELAY_MS)
+
+
+@dataclass(frozen=True)
+class ImageScenario:
+    name: str
+    about: str
+    serve: Serve
+    preprocess_threads: int | None = None
+    """For kinference scenarios: the preprocess threads it runs with."""
+
+
+@dataclass(frozen=True)
+class ImageBenchOptions:
+    images: int = 70
+    concurrency: int = 64
+    duration_s: float = 8.0
+    warmup_s: float = 3.0
+    timeout_s: float = 60.0
+    threads: tuple[int, ...] = (2, 4)
+    micro_batch_size: int = 8
+    max_batch_size: int = 32
+    static_batch: int = 8
+    seed: int = 0
+    progress: bool = True
+    command: str = "kinference bench image"
+
+
+def scenarios(options: ImageBenchOptions, model: Path) -> list[ImageScenario]:
+    def kinference(name: str, about: str, threads: int, micro: int | None, defaults: bool = False) -> ImageScenario:
+        overrides: dict[str, Any] = {"model": model}
+        if not defaults:
+            overrides |= {"max_batch_size": options.max_batch_size, "micro_batch_size": micro,
+                          "parallelism": {"preprocess": threads, "inference": 1, "postprocess": 1}}
+        return ImageScenario(name, about, partial(serve_kinference, overrides, HANDLER), threads)
+
+    chosen = [
+        ImageScenario(f"torchserve-static-b{options.static_batch}",
+                      f"static batch {options.static_batch} ({STATIC_DELAY_MS:g} ms), stages one after another",
+                      partial(serve_loop, partial(_static_images, model, options.static_batch))),
+        kinference("kinference-default", "kinference serve's defaults (1 preprocess thread, no micro-batches)", 1,
+                   None, defaults=True),
+        kinference(f"preprocess=1,micro={options.micro_batch_size}", "one preprocess thread, micro-batches", 1,
+                   options.micro_batch_size),
+    ]
+    for threads in options.threads:
+        chosen += [kinference(f"preprocess={threads}", f"{threads} preprocess threads, whole batches", threads, None),
+                   kinference(f"preprocess={threads},micro={options.micro_batch_size}",
+                              f"{threads} preprocess threads, micro-batches of {options.micro_batch_size}", threads,
+                              options.micro_batch_size)]
+    return chosen
+
+
+@dataclass
+class ImageBench:
+    options: ImageBenchOptions
+    console: Console
+
+    def run(self) -> dict[str, Any]:
+        options = self.options
+        began = time.monotonic()
+        started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        load_before = os.getloadavg()
+        with tempfile.TemporaryDirectory(prefix="kinference-image-bench-") as scratch:
+            model = save_model(Path(scratch) / "model", options.seed)
+            self._step(f"generating {options.images} JPEGs ({SIZES[0][0]}x{SIZES[0][1]} to "
+                       f"{SIZES[-1][0]}x{SIZES[-1][1]})")
+            corpus = jpeg_corpus(options.images, options.seed)
+            inproc = self._in_process(model, corpus)
+            runs = self._kafka_runs(model, corpus)
+        report = {
+            "command": options.command, "started": started, "wall_s": round(time.monotonic() - began, 1),
+            "machine": {**machine(), "loadavg_start": [round(x, 2) for x in load_before],
+                        "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+            "settings": {key: getattr(options, key) for key in ("images", "concurrency", "duration_s", "warmup_s",
+                                                                 "threads", "micro_batch_size", "max_batch_size",
+                                                                 "static_batch", "seed")},
+            "corpus": {"images": len(corpus), "mean_kb": round(sum(map(len, corpus)) / len(corpus) / 1024, 1)},
+            **inproc, "runs": runs,
+        }
+        report["targets"] = evaluate_targets(report)
+        return report
+
+    def _in_process(self, model: Path, corpus: list[bytes]) -> dict[str, Any]:
+        options = self.options
+        handler = loaded_handler(model, options.max_batch_size)
+        try:
+            items = handler.validate_many(corpus)
+            self._step("measuring decode (d) and inference (i) per image")
+            costs = measure_costs(handler, items, options.micro_batch_size)
+            ceilings = []
+            for workers in sorted({1, *options.threads}):
+                self._step(f"in-process pipelined ceiling, {workers} decode thread(s)")
+                ceilings.append({"decode_threads": workers,
+                                 **pipelined_ceiling(handler, items, workers, options.micro_batch_size,
+                                                     options.duration_s)})
+        finally:
+            handler.close()
+        return {"costs": costs, "ceilings": ceilings}
+
+    def _kafka_runs(self, model: Path, corpus: list[bytes]) -> list[dict[str, Any]]:
+        options = self.options
+        plan = LoadPlan(concurrency=options.concurrency, duration_s=options.duration_s, warmup_s=options.warmup_s,
+                        timeout_s=options.timeout_s, seed=options.seed)
+        rows = []
+        self._step("starting the embedded broker")
+        with EmbeddedBroker() as broker:
+            for scenario in scenarios(options, model):
+                suffix = uuid.uuid4().hex[:8]
+                topics = {role: f"image-{role}-{suffix}" for role in ("requests", "replies", "dead")}
+                create_topics(broker.bootstrap_servers, {topics["requests"]: 4, topics["replies"]: 4,
+                                                         topics["dead"]: 1})
+                self._step(f"{scenario.name}: {scenario.about}")
+                with (contender(f"image-{scenario.name}", scenario.serve, broker.bootstrap_servers, topics) as running,
+                      Client(broker.bootstrap_servers, topics["requests"], topics["replies"],
+                             timeout_s=options.timeout_s, reply_consumer=LOW_LATENCY_CONSUMER) as client,
+                      ProgressView(self.console, enabled=options.progress) as view):
+                    before = running.ready.get("inference_s", 0.0)
+                    start = time.monotonic()
+                    result = asyncio.run(run_load(client, plan, corpus, view, scenario.name))
+                    # Inference runs only while the load runs (warm-up, window, the last replies): its wall time.
+                    loaded_s = time.monotonic() - start
+                busy = running.stopped.get("inference_s", 0.0) - before
+                report = result.report()
+                rows.append({"scenario": scenario.name, "about": scenario.about,
+                             "preprocess_threads": scenario.preprocess_threads,
+                             "images_per_s": round(report["sent"] / options.duration_s, 2),
+                             "inference_busy": round(min(1.0, busy / loaded_s), 3), **report})
+        return rows
+
+    def _step(self, text: str) -> None:
+        self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim]  {text}")
+
+
+def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    runs = {run["scenario"]: run for run in report["runs"]}
+    ceiling = max(report["ceilings"], key=lambda row: row["images_per_s"])
+    costs = report["costs"]
+    decode_s, infer_s = costs["decode_ms"] / 1000, costs["infer_ms"] / 1000
+    cores = report["machine"]["cpus"]
+    targets = []
+    default = runs.get("kinference-default")
+    if default is not None:
+        ratio = default["images_per_s"] / ceiling["images_per_s"]
+        targets.append({"target": "kinference defaults >= 0.9x the in-process pipelined ceiling",
+                        "value": round(ratio, 3), "limit": 0.9, "met": ratio >= 0.9,
+                        "detail": f"{default['images_per_s']:.1f} against {ceiling['images_per_s']:.1f} images/s "
+                                  f"({ceiling['decode_threads']} decode threads)"})
+    single = [run for run in report["runs"] if run["preprocess_threads"] == 1]
+    tuned = [run for run in report["runs"] if (run["preprocess_threads"] or 1) > 1]
+    if single and tuned:
+        one, best = max(single, key=_rate), max(tuned, key=_rate)
+        threads = best["preprocess_threads"]
+        predicted = predicted_rate(threads, decode_s, infer_s, cores) / predicted_rate(1, decode_s, infer_s, cores)
+        measured = best["images_per_s"] / one["images_per_s"]
+        targets.append({"target": "tuned parallelism beats one preprocess thread by >= 0.9x the predicted gain",
+                        "value": round(measured, 3), "limit": round(0.9 * predicted, 3),
+                        "met": measured >= 0.9 * predicted,
+                        "detail": f"{best['scenario']} / {one['scenario']}: measured {measured:.2f}x, predicted "
+                                  f"X({threads})/X(1) = {predicted:.2f}x from d={costs['decode_ms']:.2f} ms, "
+                                  f"i={costs['infer_ms']:.2f} ms, C={cores}"})
+    return targets
+
+
+def _rate(run: dict[str, Any]) -> float:
+    return run["images_per_s"]
+
+
+def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    costs = report["costs"]
+    ceiling = max(row["images_per_s"] for row in report["ceilings"])
+    out = [("Per-image costs (one thread) and the in-process pipelined ceiling",
+            ["measure", "value"],
+            [["d: decode+resize+crop+normalise", f"{costs['decode_ms']:.2f} ms"],
+             [f"i: inference at batch {report['settings']['micro_batch_size']}", f"{costs['infer_ms']:.2f} ms"],
+             *([f"ceiling, {row['decode_threads']} decode thread(s)",
+                f"{row['images_per_s']:.1f} images/s, inference busy {row['inference_busy']:.0%}"]
+               for row in report["ceilings"])]),
+           (f"Through Kafka at concurrency {report['settings']['concurrency']} "
+            f"({report['corpus']['images']} JPEGs, mean {report['corpus']['mean_kb']} KB)",
+            ["scenario", "images/s", "x ceiling", "inference busy", "p50 ms", "p99 ms", "errors"],
+            [[run["scenario"], f"{run['images_per_s']:.1f}", f"{run['images_per_s'] / ceiling:.2f}",
+              "-" if run["inference_busy"] is None else f"{run['inference_busy']:.0%}",
+              *(f"{(run['latency_ms'] or {}).get(k) or 0:.0f}" for k in ("p50", "p99")),
+              str(sum(run["errors"].values()) + run["lost"])] for run in report["runs"]])]
+    if report["targets"]:
+        out.append(("Targets", ["target", "value", "limit", "met", "detail"],
+                    [[t["target"], f"{t['value']:g}", f"{t['limit']:g}", "yes" if t["met"] else "NO", t["detail"]]
+                     for t in report["targets"]]))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kinference bench image",
+                                     description="Image classification: kinference's stage threads against an "
+                                     "in-process pipelined ceiling and a TorchServe-style static loop, in one run. "
+                                     "See docs/benchmarks.md.")
+    parser.add_argument("--images", type=int, help="JPEGs in the corpus (default: 70; --quick: 14)")
+    parser.add_argument("--concurrency", type=int, default=64, help="closed-loop concurrency (default: 64)")
+    parser.add_argument("--duration", type=float, help="measured seconds per scenario (default: 8; --quick: 2)")
+    parser.add_argument("--warmup", type=float, help="warm-up seconds per scenario (default: 3; --quick: 1)")
+    parser.add_argument("--threads", type=lambda text: tuple(int(x) for x in text.split(",")), metavar="N1,N2",
+                        help="preprocess thread counts to try beside 1 (default: 2,4; --quick: 2)")
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="micro-batch size (default: 8)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a short run: smoke test of the whole command")
+    add_report_arguments(parser)
+    parser.add_argument("--no-progress", action="store_true", help="no live progress bars")
+    return parser
+
+
+def options_from(args: argparse.Namespace, argv: list[str]) -> ImageBenchOptions:
+    def pick(value: Any, normal: Any, quick: Any) -> Any:
+        return value if value is not None else quick if args.quick else normal
+
+    options = ImageBenchOptions(
+        images=pick(args.images, 70, 14), concurrency=args.concurrency, duration_s=pick(args.duration, 8.0, 2.0),
+        warmup_s=pick(args.warmup, 3.0, 1.0), threads=pick(args.threads, (2, 4), (2,)),
+        micro_batch_size=args.micro_batch_size, seed=args.seed, progress=not args.no_progress,
+        command=" ".join(["kinference bench image", *argv]))
+    if options.images < options.micro_batch_size or min(options.threads) < 2 or options.duration_s <= 0 \
+            or options.warmup_s <= 0:
+        raise ValueError("--images must be at least --micro-batch-size, --threads each >= 2, --duration and "
+                         "--warmup positive")
+    return options
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = options_from(args, argv)
+    except ValueError as exc:
+        parser.error(str(exc))
+    setup_logging()
+    console = Console()
+    try:
+        report = ImageBench(options, console).run()
+    except (KinferenceError, ClientError, RuntimeError) as exc:
+        console.print(f"[red]kinference bench image failed: {exc}[/red]")
+        return 1
+    print_tables(tables(report), console)
+    for path in write_reports(report, args, lambda r: tables_markdown(r, tables(r))):
+        console.print(f"written: {path}")
+    return 0
