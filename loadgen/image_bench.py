@@ -7,7 +7,8 @@ figure comes from this run, on this machine, with the real ``image-classificatio
 - the corpus: JPEGs from 320x240 to 1920x1080 generated at start (gradients, shapes and noise, quality 85);
 - the model: a small ResNet-like CNN in plain torch (no torchvision), saved as TorchScript with its labels;
 - the costs: ``d``, one thread's decode + resize + crop + normalise time per image (the handler's
-  ``preprocess``), and ``i``, inference time per image at the micro-batch size (the handler's ``inference``);
+  ``preprocess``), and ``i``, inference time per image at the micro-batch size (the handler's ``inference``),
+  with the CPU time it takes (``i_cpu``: more than ``i`` when torch runs several threads);
 - the in-process pipelined ceiling: decoding in a thread pool feeding the model in this process, no Kafka;
 - the TorchServe-style static loop: a batch of ``static_batch`` (or what came in 50 ms), then decode, infer,
   postprocess and reply one after another in one thread;
@@ -15,12 +16,17 @@ figure comes from this run, on this machine, with the real ``image-classificatio
   each in a process of its own, loaded in closed loop at ``concurrency`` through one embedded broker.
 
 Inference busy is the time inside inference calls over the measured wall time (summed over inference threads).
+Every contender runs torch with ``torch_threads`` intra-op threads (default 1): on a small CPU machine that
+leaves the other cores to decoding, as an accelerator would; with torch on every core, inference and decoding
+take turns on the same cores and no thread count can overlap them (the prediction then says so).
 
 The prediction. With one preprocess thread overlapping inference, a process serves at most
-``min(1/d, 1/i)`` images per second; with N preprocess threads ``min(N/d, 1/i)``. Both share the machine's C
-cores with the inference (torch's own threads) and the broker, so neither can pass ``C / (d + i)``:
+``min(1/d, 1/i)`` images per second; with N preprocess threads ``min(N/d, 1/i)``. Decoding and inference
+share the machine's C cores, so neither can pass ``C / (d + i_cpu)``:
 
-    X(N) = min(N / d, 1 / i, C / (d + i)),   predicted gain of N threads over one = X(N) / X(1)
+    X(N) = min(N / d, 1 / i, C / (d + i_cpu)),   predicted gain of N threads over one = X(N) / X(1)
+
+(the broker and the load generator share the cores too, so every measured rate is below its X).
 
 The targets: kinference's defaults reach >= 0.9x the pipelined ceiling, and the best tuned setting beats one
 preprocess thread by at least 0.9x the predicted gain.
@@ -63,6 +69,7 @@ from kinference.loadgen.bench import (
 )
 from kinference.loadgen.client import Client
 from kinference.loadgen.contender import Serve, contender, setup_logging
+from kinference.loadgen.drain import process_cpu_s
 from kinference.loadgen.errors import ClientError
 from kinference.loadgen.live import ProgressView
 from kinference.loadgen.outputs import add_report_arguments, write_reports
@@ -100,7 +107,7 @@ class SmallResNet(nn.Module):
     """Four strided residual stages, global pooling, a linear head: the shape of an image classifier, small
     enough that its per-image time is of the order of the per-image decode time on a CPU."""
 
-    def __init__(self, width: int = 40, classes: int = len(LABELS)) -> None:
+    def __init__(self, width: int = 24, classes: int = len(LABELS)) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, width, 5, stride=4, padding=2), nn.BatchNorm2d(width), nn.ReLU())
         stages = []
@@ -133,9 +140,17 @@ def save_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def predicted_rate(threads: int, decode_s: float, infer_s: float, cores: int) -> float:
+def machine_cpu_s() -> float:
+    """CPU seconds every core of this machine has spent busy since boot (Linux /proc/stat): the broker, the load
+    generator and the contender together."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def predicted_rate(threads: int, decode_s: float, infer_s: float, infer_cpu_s: float, cores: int) -> float:
     """Images per second with ``threads`` preprocess threads overlapping inference (see the module docstring)."""
-    return min(threads / decode_s, 1 / infer_s, cores / (decode_s + infer_s))
+    return min(threads / decode_s, 1 / infer_s, cores / (decode_s + infer_cpu_s))
 
 
 # --- in-process measurements
@@ -149,29 +164,33 @@ def loaded_handler(model: Path, max_batch_size: int) -> Handler:
 
 
 def measure_costs(handler: Handler, items: list[Any], batch: int) -> dict[str, float]:
-    """``d`` and ``i`` in ms per image: one preprocess thread per image, inference per image at ``batch``."""
+    """``d``, ``i`` and ``i_cpu`` in ms per image: one preprocess thread per image, inference per image at
+    ``batch`` (wall and process CPU time)."""
     began = time.perf_counter()
     for item in items:
         handler.preprocess([item])
     decode_ms = (time.perf_counter() - began) * 1000 / len(items)
     batches = [handler.preprocess(items[start:start + batch]) for start in range(0, len(items) - batch + 1, batch)]
     handler.inference(batches[0])  # this shape's first call
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     for pixels in batches:
         handler.inference(pixels)
-    infer_ms = (time.perf_counter() - began) * 1000 / (len(batches) * batch)
-    return {"decode_ms": round(decode_ms, 3), "infer_ms": round(infer_ms, 3)}
+    images = len(batches) * batch
+    infer_ms = (time.perf_counter() - began) * 1000 / images
+    infer_cpu_ms = (time.process_time() - cpu) * 1000 / images
+    return {"decode_ms": round(decode_ms, 3), "infer_ms": round(infer_ms, 3), "infer_cpu_ms": round(infer_cpu_ms, 3)}
 
 
 def pipelined_ceiling(handler: Handler, items: list[Any], workers: int, micro: int, seconds: float
                       ) -> dict[str, float]:
     """Images per second with ``workers`` threads decoding micro-batches of ``micro`` ahead of the model, which
-    runs in this thread (inference + postprocess), for about ``seconds``; and the fraction of it in inference."""
+    runs in this thread (inference + postprocess), for about ``seconds``; the fraction of it in inference, and the
+    process's CPU time per image."""
     chunks = [items[start:start + micro] for start in range(0, len(items), micro)]
     done, busy = 0, 0.0
     with ThreadPoolExecutor(workers) as pool:
         ahead = [pool.submit(handler.preprocess, chunks[index % len(chunks)]) for index in range(2 * workers)]
-        began, index = time.perf_counter(), 2 * workers
+        began, cpu, index = time.perf_counter(), time.process_time(), 2 * workers
         while time.perf_counter() - began < seconds:
             inputs = ahead.pop(0).result()
             ahead.append(pool.submit(handler.preprocess, chunks[index % len(chunks)]))
@@ -182,10 +201,11 @@ def pipelined_ceiling(handler: Handler, items: list[Any], workers: int, micro: i
             busy += time.perf_counter() - start
             handler.postprocess(outputs, chunk)
             done += len(chunk)
-        elapsed = time.perf_counter() - began
+        elapsed, cpu_s = time.perf_counter() - began, time.process_time() - cpu
         for future in ahead:
             future.result()
-    return {"images_per_s": round(done / elapsed, 2), "inference_busy": round(busy / elapsed, 3)}
+    return {"images_per_s": round(done / elapsed, 2), "inference_busy": round(busy / elapsed, 3),
+            "cpu_ms": round(cpu_s * 1000 / done, 2)}
 
 
 # --- Kafka contenders (module-level, so that they pickle into their own process)
@@ -195,7 +215,8 @@ class ImageAnswer:
     """The image handler's four calls on one batch, one after another, timing inference: a static loop's
     ``Answer``."""
 
-    def __init__(self, model: Path, batch_size: int) -> None:
+    def __init__(self, model: Path, batch_size: int, torch_threads: int) -> None:
+        torch.set_num_threads(torch_threads)  # this contender's own process: what kinference's --torch-threads does
         self.handler = loaded_handler(model, batch_size)
         self.inference_s = 0.0
 
@@ -214,8 +235,8 @@ class ImageAnswer:
         return {"inference_s": self.inference_s}
 
 
-def _static_images(model: Path, size: int, bootstrap_servers: str, topic: str) -> LoopThread:
-    answer: Answer = ImageAnswer(model, size)
+def _static_images(model: Path, size: int, torch_threads: int, bootstrap_servers: str, topic: str) -> LoopThread:
+    answer: Answer = ImageAnswer(model, size, torch_threads)
     return StaticBatchLoop(bootstrap_servers, topic, answer, size, STATIC_DELAY_MS)
 
 
@@ -239,6 +260,7 @@ class ImageBenchOptions:
     micro_batch_size: int = 8
     max_batch_size: int = 32
     static_batch: int = 8
+    torch_threads: int = 1
     seed: int = 0
     progress: bool = True
     command: str = "kinference bench image"
@@ -246,7 +268,7 @@ class ImageBenchOptions:
 
 def scenarios(options: ImageBenchOptions, model: Path) -> list[ImageScenario]:
     def kinference(name: str, about: str, threads: int, micro: int | None, defaults: bool = False) -> ImageScenario:
-        overrides: dict[str, Any] = {"model": model}
+        overrides: dict[str, Any] = {"model": model, "torch_threads": options.torch_threads}
         if not defaults:
             overrides |= {"max_batch_size": options.max_batch_size, "micro_batch_size": micro,
                           "parallelism": {"preprocess": threads, "inference": 1, "postprocess": 1}}
@@ -255,8 +277,10 @@ def scenarios(options: ImageBenchOptions, model: Path) -> list[ImageScenario]:
     chosen = [
         ImageScenario(f"torchserve-static-b{options.static_batch}",
                       f"static batch {options.static_batch} ({STATIC_DELAY_MS:g} ms), stages one after another",
-                      partial(serve_loop, partial(_static_images, model, options.static_batch))),
-        kinference("kinference-default", "kinference serve's defaults (1 preprocess thread, no micro-batches)", 1,
+                      partial(serve_loop, partial(_static_images, model, options.static_batch,
+                                                  options.torch_threads))),
+        kinference("kinference-default", "kinference serve's batching and stage defaults (1 preprocess thread, "
+                   "no micro-batches)", 1,
                    None, defaults=True),
         kinference(f"preprocess=1,micro={options.micro_batch_size}", "one preprocess thread, micro-batches", 1,
                    options.micro_batch_size),
@@ -292,7 +316,7 @@ class ImageBench:
                         "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
             "settings": {key: getattr(options, key) for key in ("images", "concurrency", "duration_s", "warmup_s",
                                                                  "threads", "micro_batch_size", "max_batch_size",
-                                                                 "static_batch", "seed")},
+                                                                 "static_batch", "torch_threads", "seed")},
             "corpus": {"images": len(corpus), "mean_kb": round(sum(map(len, corpus)) / len(corpus) / 1024, 1)},
             **inproc, "runs": runs,
         }
@@ -301,6 +325,8 @@ class ImageBench:
 
     def _in_process(self, model: Path, corpus: list[bytes]) -> dict[str, Any]:
         options = self.options
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(options.torch_threads)
         handler = loaded_handler(model, options.max_batch_size)
         try:
             items = handler.validate_many(corpus)
@@ -314,6 +340,7 @@ class ImageBench:
                                                      options.duration_s)})
         finally:
             handler.close()
+            torch.set_num_threads(threads_before)
         return {"costs": costs, "ceilings": ceilings}
 
     def _kafka_runs(self, model: Path, corpus: list[bytes]) -> list[dict[str, Any]]:
@@ -334,16 +361,23 @@ class ImageBench:
                              timeout_s=options.timeout_s, reply_consumer=LOW_LATENCY_CONSUMER) as client,
                       ProgressView(self.console, enabled=options.progress) as view):
                     before = running.ready.get("inference_s", 0.0)
-                    start = time.monotonic()
+                    answered, start = client.stats().answered, time.monotonic()
+                    cpu = process_cpu_s(running.pid), machine_cpu_s()
                     result = asyncio.run(run_load(client, plan, corpus, view, scenario.name))
                     # Inference runs only while the load runs (warm-up, window, the last replies): its wall time.
                     loaded_s = time.monotonic() - start
+                    images = client.stats().answered - answered
+                    cpu_ms = [(after - before_s) * 1000 / images
+                              for after, before_s in zip((process_cpu_s(running.pid), machine_cpu_s()), cpu,
+                                                         strict=True)]
                 busy = running.stopped.get("inference_s", 0.0) - before
                 report = result.report()
                 rows.append({"scenario": scenario.name, "about": scenario.about,
                              "preprocess_threads": scenario.preprocess_threads,
                              "images_per_s": round(report["sent"] / options.duration_s, 2),
-                             "inference_busy": round(min(1.0, busy / loaded_s), 3), **report})
+                             "inference_busy": round(min(1.0, busy / loaded_s), 3),
+                             "contender_cpu_ms": round(cpu_ms[0], 2), "machine_cpu_ms": round(cpu_ms[1], 2),
+                             **report})
         return rows
 
     def _step(self, text: str) -> None:
@@ -354,30 +388,42 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     runs = {run["scenario"]: run for run in report["runs"]}
     ceiling = max(report["ceilings"], key=lambda row: row["images_per_s"])
     costs = report["costs"]
-    decode_s, infer_s = costs["decode_ms"] / 1000, costs["infer_ms"] / 1000
+    seconds = {key: costs[f"{key}_ms"] / 1000 for key in ("decode", "infer", "infer_cpu")}
     cores = report["machine"]["cpus"]
     targets = []
     default = runs.get("kinference-default")
     if default is not None:
         ratio = default["images_per_s"] / ceiling["images_per_s"]
+        cap = cores * 1000 / default["machine_cpu_ms"]
         targets.append({"target": "kinference defaults >= 0.9x the in-process pipelined ceiling",
                         "value": round(ratio, 3), "limit": 0.9, "met": ratio >= 0.9,
                         "detail": f"{default['images_per_s']:.1f} against {ceiling['images_per_s']:.1f} images/s "
-                                  f"({ceiling['decode_threads']} decode threads)"})
+                                  f"({ceiling['decode_threads']} decode threads); through Kafka the machine spent "
+                                  f"{default['machine_cpu_ms']:.1f} ms CPU per image against the ceiling's "
+                                  f"{ceiling['cpu_ms']:.1f}, so its {cores} cores cap it at {cap:.0f} images/s"})
     single = [run for run in report["runs"] if run["preprocess_threads"] == 1]
     tuned = [run for run in report["runs"] if (run["preprocess_threads"] or 1) > 1]
     if single and tuned:
         one, best = max(single, key=_rate), max(tuned, key=_rate)
         threads = best["preprocess_threads"]
-        predicted = predicted_rate(threads, decode_s, infer_s, cores) / predicted_rate(1, decode_s, infer_s, cores)
+        predicted = (predicted_rate(threads, *seconds.values(), cores)
+                     / predicted_rate(1, *seconds.values(), cores))
         measured = best["images_per_s"] / one["images_per_s"]
+        kafka = _through_kafka(best, threads, seconds, cores) / _through_kafka(one, 1, seconds, cores)
         targets.append({"target": "tuned parallelism beats one preprocess thread by >= 0.9x the predicted gain",
                         "value": round(measured, 3), "limit": round(0.9 * predicted, 3),
                         "met": measured >= 0.9 * predicted,
                         "detail": f"{best['scenario']} / {one['scenario']}: measured {measured:.2f}x, predicted "
                                   f"X({threads})/X(1) = {predicted:.2f}x from d={costs['decode_ms']:.2f} ms, "
-                                  f"i={costs['infer_ms']:.2f} ms, C={cores}"})
+                                  f"i={costs['infer_ms']:.2f} ms, i_cpu={costs['infer_cpu_ms']:.2f} ms, "
+                                  f"C={cores}; with the machine CPU each spent per image through Kafka (m) in "
+                                  f"place of d + i_cpu, X({threads})/X(1) = {kafka:.2f}x"})
     return targets
+
+
+def _through_kafka(run: dict[str, Any], threads: int, seconds: dict[str, float], cores: int) -> float:
+    """The prediction with the run's own machine CPU per image (model, Kafka client, broker, service)."""
+    return min(threads / seconds["decode"], 1 / seconds["infer"], cores * 1000 / run["machine_cpu_ms"])
 
 
 def _rate(run: dict[str, Any]) -> float:
@@ -390,15 +436,20 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
     out = [("Per-image costs (one thread) and the in-process pipelined ceiling",
             ["measure", "value"],
             [["d: decode+resize+crop+normalise", f"{costs['decode_ms']:.2f} ms"],
-             [f"i: inference at batch {report['settings']['micro_batch_size']}", f"{costs['infer_ms']:.2f} ms"],
+             [f"i: inference at batch {report['settings']['micro_batch_size']} "
+              f"({report['settings']['torch_threads']} torch threads)",
+              f"{costs['infer_ms']:.2f} ms ({costs['infer_cpu_ms']:.2f} ms CPU)"],
              *([f"ceiling, {row['decode_threads']} decode thread(s)",
-                f"{row['images_per_s']:.1f} images/s, inference busy {row['inference_busy']:.0%}"]
+                f"{row['images_per_s']:.1f} images/s, inference busy {row['inference_busy']:.0%}, "
+                f"{row['cpu_ms']:.1f} ms CPU/image"]
                for row in report["ceilings"])]),
            (f"Through Kafka at concurrency {report['settings']['concurrency']} "
             f"({report['corpus']['images']} JPEGs, mean {report['corpus']['mean_kb']} KB)",
-            ["scenario", "images/s", "x ceiling", "inference busy", "p50 ms", "p99 ms", "errors"],
+            ["scenario", "images/s", "x ceiling", "inference busy", "CPU ms/image: contender", "machine",
+             "x CPU cap", "p50 ms", "p99 ms", "errors"],
             [[run["scenario"], f"{run['images_per_s']:.1f}", f"{run['images_per_s'] / ceiling:.2f}",
-              "-" if run["inference_busy"] is None else f"{run['inference_busy']:.0%}",
+              f"{run['inference_busy']:.0%}", f"{run['contender_cpu_ms']:.1f}", f"{run['machine_cpu_ms']:.1f}",
+              f"{run['images_per_s'] * run['machine_cpu_ms'] / 1000 / report['machine']['cpus']:.2f}",
               *(f"{(run['latency_ms'] or {}).get(k) or 0:.0f}" for k in ("p50", "p99")),
               str(sum(run["errors"].values()) + run["lost"])] for run in report["runs"]])]
     if report["targets"]:
@@ -420,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=lambda text: tuple(int(x) for x in text.split(",")), metavar="N1,N2",
                         help="preprocess thread counts to try beside 1 (default: 2,4; --quick: 2)")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="micro-batch size (default: 8)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads of every contender (default: 1, see docs/benchmarks.md)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a short run: smoke test of the whole command")
     add_report_arguments(parser)
@@ -434,12 +487,12 @@ def options_from(args: argparse.Namespace, argv: list[str]) -> ImageBenchOptions
     options = ImageBenchOptions(
         images=pick(args.images, 70, 14), concurrency=args.concurrency, duration_s=pick(args.duration, 8.0, 2.0),
         warmup_s=pick(args.warmup, 3.0, 1.0), threads=pick(args.threads, (2, 4), (2,)),
-        micro_batch_size=args.micro_batch_size, seed=args.seed, progress=not args.no_progress,
-        command=" ".join(["kinference bench image", *argv]))
-    if options.images < options.micro_batch_size or min(options.threads) < 2 or options.duration_s <= 0 \
-            or options.warmup_s <= 0:
-        raise ValueError("--images must be at least --micro-batch-size, --threads each >= 2, --duration and "
-                         "--warmup positive")
+        micro_batch_size=args.micro_batch_size, torch_threads=args.torch_threads, seed=args.seed,
+        progress=not args.no_progress, command=" ".join(["kinference bench image", *argv]))
+    if (options.images < options.micro_batch_size or min(options.threads) < 2 or options.duration_s <= 0
+            or options.warmup_s <= 0 or options.torch_threads < 1):
+        raise ValueError("--images must be at least --micro-batch-size, --threads each >= 2, --duration, "
+                         "--warmup and --torch-threads positive")
     return options
 
 

@@ -30,36 +30,47 @@ def test_the_saved_model_serves_through_the_image_handler(tmp_path):
         handler.close()
     assert [len(result["labels"]) for result in results] == [5, 5, 5]
     assert {entry["label"] for result in results for entry in result["labels"]} <= set(image_bench.LABELS)
-    assert costs["decode_ms"] > 0 and costs["infer_ms"] > 0
+    assert costs["decode_ms"] > 0 and costs["infer_cpu_ms"] >= costs["infer_ms"] * 0.5 > 0
     assert ceiling["images_per_s"] > 0 and 0 < ceiling["inference_busy"] <= 1
 
 
-@pytest.mark.parametrize(("threads", "decode_ms", "infer_ms", "cores", "expected"), [
-    (1, 10.0, 5.0, 2, 100.0),  # one thread: decode-bound
-    (2, 10.0, 5.0, 2, 2 / 0.015),  # two threads: the cores bound it before 1/i
-    (4, 10.0, 5.0, 16, 200.0),  # plenty of cores: inference-bound
+@pytest.mark.parametrize(("threads", "decode_ms", "infer_ms", "infer_cpu_ms", "cores", "expected"), [
+    (1, 10.0, 5.0, 5.0, 2, 100.0),  # one thread: decode-bound
+    (2, 10.0, 5.0, 5.0, 2, 2 / 0.015),  # two threads: the cores bound it before 1/i
+    (2, 10.0, 5.0, 10.0, 2, 100.0),  # torch on both cores: no room to overlap, no gain over one thread
+    (4, 10.0, 5.0, 5.0, 16, 200.0),  # plenty of cores: inference-bound
 ])
-def test_predicted_rate(threads, decode_ms, infer_ms, cores, expected):
-    assert image_bench.predicted_rate(threads, decode_ms / 1000, infer_ms / 1000, cores) == pytest.approx(expected)
+def test_predicted_rate(threads, decode_ms, infer_ms, infer_cpu_ms, cores, expected):
+    rate = image_bench.predicted_rate(threads, decode_ms / 1000, infer_ms / 1000, infer_cpu_ms / 1000, cores)
+    assert rate == pytest.approx(expected)
 
 
 def _report(default: float, one: float, tuned: float) -> dict:
-    return {"costs": {"decode_ms": 10.0, "infer_ms": 5.0}, "machine": {"cpus": 2},
-            "ceilings": [{"decode_threads": 1, "images_per_s": 90.0}, {"decode_threads": 2, "images_per_s": 120.0}],
-            "runs": [{"scenario": "torchserve-static-b8", "preprocess_threads": None, "images_per_s": 50.0},
-                     {"scenario": "kinference-default", "preprocess_threads": 1, "images_per_s": default},
-                     {"scenario": "preprocess=1,micro=8", "preprocess_threads": 1, "images_per_s": one},
-                     {"scenario": "preprocess=2,micro=8", "preprocess_threads": 2, "images_per_s": tuned}]}
+    return {"costs": {"decode_ms": 10.0, "infer_ms": 5.0, "infer_cpu_ms": 5.0}, "machine": {"cpus": 2},
+            "ceilings": [{"decode_threads": 1, "images_per_s": 90.0, "cpu_ms": 15.0},
+                         {"decode_threads": 2, "images_per_s": 120.0, "cpu_ms": 15.0}],
+            "runs": [{"scenario": "torchserve-static-b8", "preprocess_threads": None, "images_per_s": 50.0,
+                      "machine_cpu_ms": 20.0},
+                     {"scenario": "kinference-default", "preprocess_threads": 1, "images_per_s": default,
+                      "machine_cpu_ms": 20.0},
+                     {"scenario": "preprocess=1,micro=8", "preprocess_threads": 1, "images_per_s": one,
+                      "machine_cpu_ms": 20.0},
+                     {"scenario": "preprocess=2,micro=8", "preprocess_threads": 2, "images_per_s": tuned,
+                      "machine_cpu_ms": 10.0}]}
 
 
 def test_targets_compare_with_the_best_ceiling_and_the_predicted_gain():
-    met = image_bench.evaluate_targets(_report(default=110.0, one=100.0, tuned=130.0))
+    met = image_bench.evaluate_targets(_report(default=110.0, one=100.0, tuned=150.0))
     assert [t["met"] for t in met] == [True, True]
     assert met[0]["value"] == pytest.approx(110 / 120, abs=1e-3)
+    assert met[1]["value"] == pytest.approx(150 / 110, abs=1e-3)  # against the best one-thread setting
     assert met[1]["limit"] == pytest.approx(0.9 * (2 / 0.015) / 100, abs=1e-3)  # predicted gain 1.33x
     missed = image_bench.evaluate_targets(_report(default=100.0, one=100.0, tuned=101.0))
     assert [t["met"] for t in missed] == [False, False]
     assert "predicted X(2)/X(1) = 1.33x" in missed[1]["detail"]
+    # Through Kafka: 2 cores / 20 ms per image cap one thread at 100/s; the tuned run's 10 ms leave 2/d = 200/s.
+    assert "in place of d + i_cpu, X(2)/X(1) = 2.00x" in missed[1]["detail"]
+    assert "cap it at 100 images/s" in missed[0]["detail"]
 
 
 def test_options_refuse_runs_that_cannot_measure_anything():
