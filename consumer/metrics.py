@@ -11,7 +11,7 @@ from importlib import metadata
 from typing import Any
 
 import confluent_kafka
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 
 from kinference import __version__
 
@@ -69,6 +69,17 @@ class Metrics:
         self.consumer_lag = Gauge("kinference_consumer_lag", "End offset minus the group's committed offset, per "
                                   "assigned partition (what KEDA's Kafka scaler computes), refreshed from the broker "
                                   "every lag_interval_s.", ["topic", "partition"], registry=r)
+        self.ready = Gauge("kinference_ready", "1 while /readyz would answer 200 (model loaded, in the group, a "
+                           "broker reachable, healthy), else 0; read at each scrape.", registry=r)
+        self.healthy = Gauge("kinference_healthy", "1 while /healthz would answer 200 (every thread alive, no fatal "
+                             "client error), else 0; read at each scrape.", registry=r)
+        self.fatal_errors = Counter("kinference_fatal_errors", "Fatal librdkafka errors, by client: the consumer's "
+                                    "stops the service (exit code 1, the orchestrator restarts it), the producer's "
+                                    "replace the producer.", ["client"], registry=r)
+        for client in ("consumer", "producer"):
+            self.fatal_errors.labels(client)  # a zero before the first one, so that increase() sees it
+        # process_start_time_seconds: restarts (a fatal consumer error ends the process) show as its changes.
+        ProcessCollector(registry=r)
         self.model = Info("kinference_model", "The handler being served.", registry=r)
         self.build = Info("kinference_build", "Versions of kinference and of what it runs on.", registry=r)
         self.build.info(build_info())

@@ -314,6 +314,7 @@ class Publisher:
     def _on_client_error(self, error: KafkaError) -> None:
         if error.fatal():
             self._fatal = error
+            self._metrics.labelled(self._metrics.fatal_errors, "producer").inc()
             log.error("producer fatal error: %s", error)
         else:
             log.warning("producer: %s", error)

@@ -63,6 +63,8 @@ class Service:
         self.handler = handler if handler is not None else load_handler(config.handler)
         self.tracker = OffsetTracker()
         self.metrics = Metrics()
+        self.metrics.ready.set_function(lambda: float(all(self.readiness_checks().values())))
+        self.metrics.healthy.set_function(lambda: float(self.healthy))
         self.endpoints: Endpoints | None = None
         self._model_ready = False
         self._started = False

@@ -78,6 +78,7 @@ class Source:
         self._reject = reject
         self._committer = committer
         self._in_flight = in_flight
+        self._fatal_errors = metrics.fatal_errors.labels("consumer")
         self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics)
         self.rebalance = Rebalance(tracker, self._flow, discard, committer.commit, metrics,
                                    incremental=config.incremental_rebalancing,
@@ -225,6 +226,7 @@ class Source:
             self.broker_up = False
         if error.fatal():
             self.fatal = error
+            self._fatal_errors.inc()
             log.critical("consumer fatal error: %s; stopping", error)
             return
         log.warning("consumer: %s", error)

@@ -57,9 +57,11 @@ def test_metrics_count_what_was_sent_and_readiness_follows_assignment(broker):
         port = service.endpoints.port
         status, body = get(port, "/readyz")  # the group join takes seconds: not assigned yet
         assert status == 503 and orjson.loads(body)["checks"]["group_joined"] is False
-        assert get(port, "/healthz")[0] == 200
+        assert value(samples(port), "kinference_ready") == 0  # the alert rules' view of /readyz
+        assert get(port, "/healthz")[0] == 200 and value(samples(port), "kinference_healthy") == 1
         assert service.wait_ready(30)
         assert wait_for(lambda: get(port, "/readyz")[0] == 200), get(port, "/readyz")
+        assert value(samples(port), "kinference_ready") == 1
 
         records = [(None, orjson.dumps({"i": i}), []) for i in range(valid)]
         records += [(None, b"{broken", [])] * malformed
@@ -91,6 +93,8 @@ def test_metrics_count_what_was_sent_and_readiness_follows_assignment(broker):
     assert value(metrics, "kinference_commits_total") >= 1 and value(metrics, "kinference_commit_failures_total") == 0
     assert value(metrics, "kinference_assigned_partitions") == 3
     assert value(metrics, "kinference_model_info", handler="echo") == 1
+    assert value(metrics, "kinference_fatal_errors_total", client="consumer") == 0
+    assert value(metrics, "process_start_time_seconds") > 0
     # The adaptive policy's cost model is exposed (NaN until enough batches of different sizes ran).
     assert {name for name, _ in metrics if name.startswith("kinference_batch_cost_")} == {
         "kinference_batch_cost_fixed_seconds", "kinference_batch_cost_per_unit_seconds"}

@@ -5,7 +5,9 @@ interval and scrapes two services: ``echo`` answering a few hundred requests and
 (error outcomes and dead letters), and ``text-classification`` with a tiny local model (only text
 handlers report the padding metrics). Then every expression of deploy/grafana/dashboards/kinference.json,
 the dashboard's variable and the prometheus-adapter rule behind the HPA must parse and return a finite
-value in the window of the run. Without a ``prometheus`` binary on PATH the tests skip.
+value in the window of the run, and every alert rule of deploy/prometheus/alerts.yml must evaluate without
+error on the services' real series (the error-ratio alert goes pending: 14% of the echo requests are
+malformed). Without a ``prometheus`` binary on PATH the tests skip.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.model]
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kinference.json"
 ADAPTER = DEPLOY / "k8s" / "autoscaling" / "prometheus-adapter-values.yaml"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 HPA = DEPLOY / "k8s" / "autoscaling" / "hpa.yaml"
 PROMETHEUS = shutil.which("prometheus")
 NO_PROMETHEUS = "needs the `prometheus` binary on PATH (Debian: apt-get install prometheus; .ci/run tries)"
@@ -197,7 +200,7 @@ def scrape_config(targets: list[str]) -> dict[str, Any]:
     job.update(scrape_interval=f"{SCRAPE_S}s", scrape_timeout=f"{SCRAPE_S}s",
                static_configs=[{"targets": targets, "labels": {"namespace": NAMESPACE}}])
     return {"global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
-            "scrape_configs": [job]}
+            "rule_files": [str(ALERTS)], "scrape_configs": [job]}
 
 
 # --- the load ------------------------------------------------------------------------------------------
@@ -278,6 +281,24 @@ def check_queries(prometheus: PrometheusServer, start: float, end: float, reques
     if series["status"] != "success" or not series["data"]:
         failures.append(f"adapter seriesQuery: {series}")
     expect_data("adapter metricsQuery (HPA lag)", lag_query)
+    failures += check_alerts(prometheus)
+    return failures
+
+
+def check_alerts(prometheus: PrometheusServer) -> list[str]:
+    """Every alert rule evaluated without error on the real series; the error-ratio alert pending (or firing)
+    on the malformed requests, and the no-replies alert quiet while replies flow."""
+    body = prometheus.api("rules", type="alert")
+    rules = {rule["name"]: rule for group in body["data"]["groups"] for rule in group["rules"]}
+    failures = [f"alert {name}: {rule['health']} {rule.get('lastError', '')}" for name, rule in rules.items()
+                if rule["health"] != "ok"]
+    expected = {rule["alert"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
+    if set(rules) != expected:
+        failures.append(f"alert rules loaded: {sorted(rules)}; in {ALERTS.name}: {sorted(expected)}")
+    if rules.get("KinferenceErrorRatioHigh", {}).get("state") not in ("pending", "firing"):
+        failures.append(f"KinferenceErrorRatioHigh: {rules.get('KinferenceErrorRatioHigh')}")
+    if rules.get("KinferenceNoReplies", {}).get("state") != "inactive":
+        failures.append(f"KinferenceNoReplies: {rules.get('KinferenceNoReplies')}")
     return failures
 
 

@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kinference.json"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+ALERT_TESTS = DEPLOY / "prometheus" / "alerts_test.yml"
 YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
 CONFIG_ENV_VARS = {ENV_PREFIX + name.upper() for name in ServiceConfig.model_fields}
 # What Grafana defines itself, plus the dashboard's own variables (checked below).
@@ -114,6 +116,22 @@ def exposed_metric_names() -> set[str]:
         names.update(family.name + suffix for suffix in _SUFFIXES[family.type])
         names.update(sample.name for sample in family.samples)
     return names
+
+
+def exposed_metric_labels() -> dict[str, set[str]]:
+    """The label names of every sample name a service's /metrics shows: those declared by each metric of a
+    real ``Metrics`` (a labelled metric shows no sample before its first use), and those of the samples of
+    the rest of its registry (the process collector's)."""
+    labels: dict[str, set[str]] = {}
+    for family in Metrics().registry.collect():
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    for metric in vars(Metrics()).values():
+        declared = getattr(metric, "_labelnames", None)
+        if declared is not None:
+            for suffix in _SUFFIXES[metric._type]:
+                labels[metric._name + suffix] = set(declared) | ({"le"} if suffix == "_bucket" else set())
+    return labels
 
 
 def dashboard_panels() -> list[dict[str, Any]]:
@@ -286,14 +304,52 @@ def test_prometheus_scrapes_the_metrics_port_of_every_kinference_service():
 # --- metric names exist --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", [DASHBOARD, *sorted((K8S / "autoscaling").glob("*.yaml"))],
+@pytest.mark.parametrize("path", [DASHBOARD, *sorted((K8S / "autoscaling").glob("*.yaml")), ALERTS, ALERT_TESTS],
                          ids=lambda p: p.name)
 def test_metric_names_exist_in_the_service(path):
-    used = set(re.findall(r"\bkinference_[a-z_]+\b", path.read_text()))
+    used = set(re.findall(r"\b(?:kinference|process)_[a-z_]+\b", path.read_text()))
     exposed = exposed_metric_names()
     assert not used - exposed, f"{path.name} uses metrics the service does not expose: {sorted(used - exposed)}"
-    if path.name in ("kinference.json", "hpa.yaml"):
+    if path.name in ("kinference.json", "hpa.yaml", ALERTS.name):
         assert used, "expected metric names"
+
+
+# --- alert rules ---------------------------------------------------------------------------------------
+
+
+def test_alert_tests_use_series_labelled_as_the_service_labels_them():
+    """Each input series of the promtool test has the labels the service gives that metric, plus the job and
+    instance labels Prometheus adds: no more, no fewer."""
+    labels = exposed_metric_labels()
+    for test in yaml.safe_load(ALERT_TESTS.read_text())["tests"]:
+        for series in test["input_series"]:
+            name, given = re.fullmatch(r"(\w+)\{(.*)\}", series["series"]).groups()
+            keys = set(re.findall(r"(\w+)=", given))
+            assert keys == labels[name] | {"job", "instance"}, f"{series['series']}: the service labels {name} " \
+                                                                 f"with {sorted(labels[name])}"
+
+
+def test_every_alert_is_tested_and_kubernetes_carries_the_same_rules():
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    alerts = {rule["alert"] for group in groups for rule in group["rules"]}
+    assert alerts == {"KinferenceLagGrowing", "KinferenceErrorRatioHigh", "KinferenceNoReplies",
+                      "KinferenceProducerReplaced", "KinferenceConsumerFatal", "KinferenceReadinessFlapping"}
+    tested = {case["alertname"] for test in yaml.safe_load(ALERT_TESTS.read_text())["tests"]
+              for case in test["alert_rule_test"] if case["exp_alerts"]}
+    assert tested == alerts, f"alerts never seen firing in {ALERT_TESTS.name}: {sorted(alerts - tested)}"
+    assert k8s_objects()[("PrometheusRule", "kinference")]["spec"]["groups"] == groups
+    prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert prometheus["rule_files"] == [ALERTS.name]
+    assert f"./prometheus/{ALERTS.name}:/etc/prometheus/{ALERTS.name}:ro" in compose()["services"]["prometheus"][
+        "volumes"]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus' package) is not installed: "
+                    ".ci/run installs it from Debian's prometheus package")
+def test_alert_rules_pass_promtool():
+    for command in (["check", "rules", ALERTS.name], ["test", "rules", ALERT_TESTS.name]):
+        done = subprocess.run(["promtool", *command], cwd=ALERTS.parent, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_dashboard_panels_are_well_formed():

@@ -191,6 +191,9 @@ def test_fatal_producer_is_replaced_and_undelivered_records_are_produced_again()
     publisher.stop(5)
     first, second = FakeProducer.instances
     assert first.delivered == [] and len(second.delivered) == 6
+    registry = publisher._metrics.registry
+    assert registry.get_sample_value("kinference_fatal_errors_total", {"client": "producer"}) >= 1
+    assert registry.get_sample_value("kinference_producer_replacements_total") == 1
     assert sorted(r.offset for r in answered) == [0, 1, 2, 3, 4, 99]
 
 

@@ -87,7 +87,7 @@ class Committer:
         consumer.calls.append(("commit", partitions))
 
 
-def make_source(**overrides: Any):
+def make_source(metrics: Metrics | None = None, **overrides: Any):
     config = ServiceConfig(request_topics=["requests"], **overrides)
     tracker, routed, rejected = OffsetTracker(), [], []
 
@@ -98,7 +98,7 @@ def make_source(**overrides: Any):
 
     admitted: list = []
     source = Source(config, RequestDecoder("replies", 1000), tracker, admitted.extend, route, rejected.append,
-                    lambda keys: [], Committer(), in_flight=lambda: tracker.in_flight, metrics=Metrics(),
+                    lambda keys: [], Committer(), in_flight=lambda: tracker.in_flight, metrics=metrics or Metrics(),
                     consumer_factory=FakeConsumer)
     return source, source._consumer, tracker, routed, rejected
 
@@ -171,11 +171,13 @@ def test_a_partition_assigned_back_after_a_pause_is_resumed():
 
 
 def test_a_fatal_consumer_error_ends_the_poll_loop():
-    source, consumer, _, _, _ = make_source()
+    metrics = Metrics()
+    source, consumer, _, _, _ = make_source(metrics)
     source.start()
     source._on_client_error(KafkaError(KafkaError._FENCED, "fenced by a newer instance", fatal=True))
     deadline = time.monotonic() + 5
     while source._thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not source.alive and source.fatal.code() == KafkaError._FENCED
+    assert metrics.registry.get_sample_value("kinference_fatal_errors_total", {"client": "consumer"}) == 1
     assert ("close", None) in consumer.calls and not any(name == "commit" for name, _ in consumer.calls)
