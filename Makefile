@@ -11,7 +11,10 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
+MLSERVER_SPEC ?= mlserver==1.7.1
+
 BIN := $(VENV)/bin
+MLSERVER_TYPES := $(VENV)/mlserver-types
 STAMP := $(VENV)/.kinference-installed
 # Evaluated only when torch is being installed: "--index-url URL" when the index answers, else nothing.
 TORCH_SOURCE = $(if $(TORCH_INDEX_URL),$(if $(shell $(PYTHON) -c 'import sys, urllib.request; \
@@ -25,6 +28,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH_SOURCE) "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]"
+	# MLServer's package, for its pydantic OIP types only (tests/unit/test_oip.py): kept apart, without its server's
+	# dependencies (which would pin protobuf, pandas and others of this venv).
+	$(BIN)/pip install --quiet --no-deps --target $(MLSERVER_TYPES) "$(MLSERVER_SPEC)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,7 +40,8 @@ demo: $(STAMP)
 
 # The packaging test installs torch into a fresh venv as `install` does: KINFERENCE_TEST_TORCH tells it how.
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 KINFERENCE_TEST_TORCH='$(strip $(TORCH_SOURCE) $(TORCH_SPEC))' $(BIN)/python -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 KINFERENCE_TEST_TORCH='$(strip $(TORCH_SOURCE) $(TORCH_SPEC))' \
+		KINFERENCE_TEST_MLSERVER=$(MLSERVER_TYPES) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The unit tests on the lowest version of every dependency that pyproject.toml allows (their own venv).
 test-lowest:

@@ -139,6 +139,18 @@ class ServiceConfig(BaseModel):
     )
     handler_options: dict[str, Any] = Field({}, description="Handler settings (key=value; repeatable).")
     device: str = Field("auto", description="auto (CUDA when available), cpu, cuda or cuda:N.")
+    request_format: Literal["auto", "kinference", "oip"] = Field(
+        "auto", description="auto: a record with the mlserver-model header is an Open Inference Protocol (V2) "
+        "request, any other kinference's JSON; oip: every record is OIP; kinference: never OIP.",
+    )
+    model_name: str | None = Field(
+        None, description="The model's name in OIP requests (mlserver-model) and responses (default: the "
+        "handler's model name, else the handler).",
+    )
+    model_version: str | None = Field(
+        None, description="The model's version in OIP responses; a request naming another (mlserver-version) "
+        "gets model_not_found (default: none, any version accepted).",
+    )
 
     # --- Batching
     batch_policy: Literal["adaptive", "greedy", "static"] = Field(

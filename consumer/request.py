@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
 
+from kinference.consumer import oip
 from kinference.errors import RequestError
 from kinference.handlers.base import Record
 from kinference.protocol import (
@@ -83,6 +84,8 @@ class Request:
     inference_ms: float = 0.0
     ledger: Any = field(default=None, repr=False)
     """The commit ledger of the partition this record came from (``commit.PartitionLedger``)."""
+    oip: oip.OipCall | None = None
+    """Set for an Open Inference Protocol request: its reply is an ``InferenceResponse`` (``consumer.oip``)."""
 
     @property
     def ok(self) -> bool:
@@ -118,6 +121,8 @@ class RequestDecoder:
     max_header_bytes: int = 16_384
     reply_topic_allowed: Callable[[str], bool] = _any_topic
     """Whether a request may name this reply topic (``config.ServiceConfig.reply_topic_allowed``)."""
+    model: oip.ServedModel | None = None
+    """The served model, for Open Inference Protocol requests; None: kinference's own JSON only."""
 
     def decode(self, record: Any, received: float | None = None) -> Request:
         """``record`` is a confluent_kafka.Message (or anything with the same accessors). Its coordinates are
@@ -140,7 +145,14 @@ class RequestDecoder:
             request.headers = _headers(record, request)
             self._read_headers(request)
             self._check_header_size(request.headers)
-            request.payload = self._read_value(request)
+            if self.model is not None and self.model.speaks_oip(request.headers):
+                self._check_size(request.value)
+                # Set first, so that even a request that fails to decode is answered in OIP's shape.
+                request.oip = oip.OipCall(oip.request_id(request.key, {}, request.correlation_id), self.model, None)
+                request.payload, request.oip = oip.decode(request.value, request.key, dict(request.headers),
+                                                          self.model, self.payload_format, request.correlation_id)
+            else:
+                request.payload = self._read_value(request)
         except RequestError as exc:
             request.error = exc
             request.dead_letter = True
@@ -190,14 +202,17 @@ class RequestDecoder:
             raise RequestError(f"request headers are {size} bytes; max_header_bytes is {self.max_header_bytes}",
                                ErrorCode.PAYLOAD_TOO_LARGE)
 
-    def _read_value(self, request: Request) -> Any:
-        value = request.value
+    def _check_size(self, value: bytes | None) -> None:
         size = len(value) if value is not None else 0
         if size > self.max_request_bytes:
             raise RequestError(
                 f"request value is {size} bytes; max_request_bytes is {self.max_request_bytes}",
                 ErrorCode.PAYLOAD_TOO_LARGE,
             )
+
+    def _read_value(self, request: Request) -> Any:
+        value = request.value
+        self._check_size(value)
         if self.payload_format == "bytes":
             return value or b""
         if self.payload_format == "record":
@@ -314,6 +329,8 @@ def reply_value(request: Request) -> bytes:
         # postprocess sets reply_value on every ok request; if that ever fails, the caller still gets an answer.
         request.fail(RequestError("the request finished without a result", ErrorCode.INTERNAL_ERROR))
     if request.error is not None:
+        if request.oip is not None:
+            return request.oip.error(request.error.message[:MAX_ERROR_MESSAGE])
         return encode_error(request.error.code, request.error.message)
     return request.reply_value  # type: ignore[return-value]
 

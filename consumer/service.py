@@ -30,6 +30,7 @@ from kinference.consumer.config import ServiceConfig
 from kinference.consumer.endpoints import Endpoints
 from kinference.consumer.lag import LagMonitor
 from kinference.consumer.metrics import Metrics
+from kinference.consumer.oip import ServedModel
 from kinference.consumer.publisher import Publisher
 from kinference.consumer.request import Request, RequestDecoder
 from kinference.consumer.source import Committer, Source
@@ -171,7 +172,7 @@ class Service:
             wake=self.batcher.wake,
         )
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
-                                 config.max_header_bytes, config.reply_topic_allowed)
+                                 config.max_header_bytes, config.reply_topic_allowed, self._served_model(config))
         publisher = self.publisher
         self.source = Source(config, decoder, self.tracker, partial(admit, self.handler), self._route,
                              self._reply_now, self.batcher.discard, committer,
@@ -179,6 +180,13 @@ class Service:
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: self.source.rebalance.partitions,  # type: ignore[union-attr]
                               self.metrics, config.lag_interval_s)
+
+    def _served_model(self, config: ServiceConfig) -> ServedModel | None:
+        """What Open Inference Protocol requests name: None when the service takes none."""
+        if config.request_format == "kinference":
+            return None
+        name = config.model_name or self.handler.describe().get("model") or config.handler
+        return ServedModel(name, config.model_version, config.request_format)
 
     def _transactional_id(self, config: ServiceConfig) -> str:
         """Stable per member, so that a restarted member fences its own predecessor at once: the configured id,

@@ -56,6 +56,8 @@ class ErrorCode(StrEnum):
     REPLY_TOPIC_NOT_ALLOWED = "reply_topic_not_allowed"
     """The request named a reply topic outside the service's allow-list; the error reply goes to the default
     reply topic instead."""
+    MODEL_NOT_FOUND = "model_not_found"
+    """The request names a model (``mlserver-model``/``mlserver-version`` headers) this service does not serve."""
     INTERNAL_ERROR = "internal_error"
     """A fault in kinference itself; the message says what failed."""
 
