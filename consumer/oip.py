@@ -89,7 +89,8 @@ class OipCall:
         return orjson.dumps(body)
 
     @staticmethod
-    def error(message: str) -> bytes:
+    def error(code: ErrorCode, message: str) -> bytes:
+        """OIP's error body: the message only (the code travels in the ``kinference-error-code`` header)."""
         return orjson.dumps({"error": message})
 
 

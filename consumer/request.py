@@ -9,7 +9,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
@@ -43,6 +43,16 @@ from kinference.protocol import (
 )
 
 Headers = list[tuple[str, bytes]]
+
+
+class ReplyFormat(Protocol):
+    """A reply value format other than kinference's JSON (``protocol.encode_result``/``encode_error``)."""
+
+    def response(self, result: Any) -> bytes:
+        """The reply value of a result; ``RequestError`` when the result cannot be written so."""
+
+    def error(self, code: ErrorCode, message: str) -> bytes:
+        """The reply value of a failed request."""
 
 _LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 
@@ -84,8 +94,9 @@ class Request:
     inference_ms: float = 0.0
     ledger: Any = field(default=None, repr=False)
     """The commit ledger of the partition this record came from (``commit.PartitionLedger``)."""
-    oip: oip.OipCall | None = None
-    """Set for an Open Inference Protocol request: its reply is an ``InferenceResponse`` (``consumer.oip``)."""
+    reply_format: ReplyFormat | None = None
+    """How the reply value is written when it is not kinference's JSON: an Open Inference Protocol
+    ``InferenceResponse`` (``consumer.oip.OipCall``)."""
 
     @property
     def ok(self) -> bool:
@@ -148,8 +159,9 @@ class RequestDecoder:
             if self.model is not None and self.model.speaks_oip(request.headers):
                 self._check_size(request.value)
                 # Set first, so that even a request that fails to decode is answered in OIP's shape.
-                request.oip = oip.OipCall(oip.request_id(request.key, {}, request.correlation_id), self.model, None)
-                request.payload, request.oip = oip.decode(request.value, request.key, dict(request.headers),
+                request.reply_format = oip.OipCall(oip.request_id(request.key, {}, request.correlation_id),
+                                                   self.model, None)
+                request.payload, request.reply_format = oip.decode(request.value, request.key, dict(request.headers),
                                                           self.model, self.payload_format, request.correlation_id)
             else:
                 request.payload = self._read_value(request)
@@ -329,8 +341,8 @@ def reply_value(request: Request) -> bytes:
         # postprocess sets reply_value on every ok request; if that ever fails, the caller still gets an answer.
         request.fail(RequestError("the request finished without a result", ErrorCode.INTERNAL_ERROR))
     if request.error is not None:
-        if request.oip is not None:
-            return request.oip.error(request.error.message[:MAX_ERROR_MESSAGE])
+        if request.reply_format is not None:
+            return request.reply_format.error(request.error.code, request.error.message[:MAX_ERROR_MESSAGE])
         return encode_error(request.error.code, request.error.message)
     return request.reply_value  # type: ignore[return-value]
 

@@ -361,10 +361,11 @@ class Pipeline:
                 request.fail(RequestError("result holds NaN or infinity", ErrorCode.HANDLER_ERROR))
             else:
                 try:
-                    request.reply_value = encode_result(result) if request.oip is None else request.oip.response(result)
+                    request.reply_value = (encode_result(result) if request.reply_format is None
+                                           else request.reply_format.response(result))
                 except TypeError as exc:
                     request.fail(RequestError(f"result is not JSON-serialisable: {exc}", ErrorCode.HANDLER_ERROR))
-                except RequestError as exc:  # an OIP request asked for an output the result does not have
+                except RequestError as exc:  # e.g. an OIP request asked for an output the result does not have
                     request.fail(exc)
 
     def _emit_micro_batch(self, micro_batch: MicroBatch) -> None:

@@ -111,11 +111,11 @@ def test_requested_outputs_are_kept_in_order_and_a_missing_one_fails():
 def test_the_decoder_answers_oip_requests_in_oip_even_when_they_fail():
     decoder = RequestDecoder("replies", 10_000, model=MODEL)
     ok = decoder.decode(FakeRecord(request(), key=b"k1", headers=MLSERVER_HEADERS))
-    assert ok.payload == {"text": "hi"} and ok.oip.id == "k1" and ok.error is None
+    assert ok.payload == {"text": "hi"} and ok.reply_format.id == "k1" and ok.error is None
     plain = decoder.decode(FakeRecord(b'{"text": "hi"}', headers=[(CORRELATION_ID, b"c")]))
-    assert plain.oip is None and plain.payload == {"text": "hi"}  # auto: no mlserver-model header, no OIP
+    assert plain.reply_format is None and plain.payload == {"text": "hi"}  # auto: no mlserver-model header, no OIP
     broken = decoder.decode(FakeRecord(b"{oops", key=b"k2", headers=MLSERVER_HEADERS))
-    assert broken.dead_letter and broken.oip.id == "k2"
+    assert broken.dead_letter and broken.reply_format.id == "k2"
     assert orjson.loads(reply_value(broken)) == {"error": broken.error.message}
     wrong = decoder.decode(FakeRecord(request(), key=b"k3", headers=[(oip.MODEL_HEADER, b"nope")]))
     assert wrong.error.code == ErrorCode.MODEL_NOT_FOUND and "nope" in orjson.loads(reply_value(wrong))["error"]
