@@ -47,16 +47,21 @@ class FlowControl:
             self._metrics.paused_partitions.set(0)
             log.debug("resumed: %d in flight", in_flight)
 
-    def assigned(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+    def assigned(self, consumer: Any, partitions: list[TopicPartition], owned: int) -> None:
         """Newly assigned partitions join the current state: paused while the rest are, else fetching. Resumed
         explicitly: librdkafka keeps a partition's pause across an unassign, so a partition this member paused
-        before a rebalance and gets back after it would otherwise stay paused for good."""
+        before a rebalance and gets back after it would otherwise stay paused for good. ``owned``: the partitions
+        assigned now, these included."""
         if self.paused:
             consumer.pause(partitions)
-            self._metrics.paused_partitions.set(len(consumer.assignment()))
+            self._metrics.paused_partitions.set(owned)
         else:
             consumer.resume(partitions)
 
-    def revoked(self, consumer: Any) -> None:
+    def revoked(self, owned: int) -> None:
+        """``owned``: the partitions still assigned. Counted by the caller, not asked of the consumer: this runs
+        in a rebalance callback, and there ``assignment()`` (a request to librdkafka's group thread) can wait
+        forever when ``close()`` ran the callback: seen here as a hang at shutdown, once in a CI run; librdkafka
+        issue 4041 is the same hang with ``rd_kafka_rebalance_protocol()``."""
         if self.paused:
-            self._metrics.paused_partitions.set(len(consumer.assignment()))
+            self._metrics.paused_partitions.set(owned)

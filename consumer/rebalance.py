@@ -73,7 +73,7 @@ class Rebalance:
         else:
             consumer.assign(partitions)
             self.partitions = set(keys)
-        self._flow.assigned(consumer, partitions)
+        self._flow.assigned(consumer, partitions, len(self.partitions))
         self.group_metadata = consumer.consumer_group_metadata()
         self._metrics.assigned_partitions.set(len(self.partitions))
         log.info("assigned %s", _names(keys))
@@ -110,7 +110,7 @@ class Rebalance:
             consumer.unassign()
         self.partitions -= set(keys)
         self.group_metadata = consumer.consumer_group_metadata()
-        self._flow.revoked(consumer)
+        self._flow.revoked(len(self.partitions))
         self._metrics.assigned_partitions.set(len(self.partitions))
 
 

@@ -166,7 +166,7 @@ def test_a_partition_assigned_back_after_a_pause_is_resumed():
     consumer.unassign()
     flow.update(consumer, in_flight=0)  # resumes nothing: nothing is assigned
     consumer.calls.clear()
-    flow.assigned(consumer, [tp(0)])
+    flow.assigned(consumer, [tp(0)], owned=1)
     assert consumer.calls == [("resume", [0])]
 
 
