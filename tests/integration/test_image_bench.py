@@ -25,7 +25,9 @@ def test_quick_image_bench_answers_every_request_in_every_scenario(tmp_path):
         assert run["sent"] == run["ok"] > 0, run["scenario"]
         assert (run["lost"], run["errors"]) == (0, {}), run["scenario"]
         assert 0 < run["inference_busy"] <= 1, run["scenario"]
+        assert run["machine_cpu_ms"] >= run["contender_cpu_ms"] > 0 and run["broker_cpu_ms"] > 0, run["scenario"]
     assert report["costs"]["decode_ms"] > 0 and report["costs"]["infer_ms"] > 0
+    assert 0 < report["costs"]["cores_available"] <= report["machine"]["cpus"]
     assert [row["decode_threads"] for row in report["ceilings"]] == [1, 2]
     assert len(report["targets"]) == 2 and all(target["value"] > 0 for target in report["targets"])
     assert "Through Kafka at concurrency 16" in table.read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 from PIL import Image
@@ -26,12 +27,21 @@ def test_the_saved_model_serves_through_the_image_handler(tmp_path):
         results = handler.postprocess(handler.inference(handler.preprocess(items)), items)
         costs = image_bench.measure_costs(handler, items * 2, batch=2)
         ceiling = image_bench.pipelined_ceiling(handler, items, workers=2, micro=2, seconds=0.3)
+        cores = image_bench.available_cores(handler, items, cpus=2, decode_s=costs["decode_ms"] / 1000)
     finally:
         handler.close()
     assert [len(result["labels"]) for result in results] == [5, 5, 5]
     assert {entry["label"] for result in results for entry in result["labels"]} <= set(image_bench.LABELS)
     assert costs["decode_ms"] > 0 and costs["infer_cpu_ms"] >= costs["infer_ms"] * 0.5 > 0
     assert ceiling["images_per_s"] > 0 and 0 < ceiling["inference_busy"] <= 1
+    assert 0 < cores <= 2
+
+
+def test_cpu_now_reads_each_process_then_the_machine():
+    before = image_bench.cpu_now(os.getpid())
+    sum(range(2_000_000))
+    after = image_bench.cpu_now(os.getpid())
+    assert len(after) == 2 and all(b >= a for a, b in zip(before, after, strict=True))
 
 
 @pytest.mark.parametrize(("threads", "decode_ms", "infer_ms", "infer_cpu_ms", "cores", "expected"), [
@@ -45,8 +55,9 @@ def test_predicted_rate(threads, decode_ms, infer_ms, infer_cpu_ms, cores, expec
     assert rate == pytest.approx(expected)
 
 
-def _report(default: float, one: float, tuned: float) -> dict:
-    return {"costs": {"decode_ms": 10.0, "infer_ms": 5.0, "infer_cpu_ms": 5.0}, "machine": {"cpus": 2},
+def _report(default: float, one: float, tuned: float, cores_available: float = 2.0) -> dict:
+    return {"costs": {"decode_ms": 10.0, "infer_ms": 5.0, "infer_cpu_ms": 5.0, "cores_available": cores_available},
+            "machine": {"cpus": 2},
             "ceilings": [{"decode_threads": 1, "images_per_s": 90.0, "cpu_ms": 15.0},
                          {"decode_threads": 2, "images_per_s": 120.0, "cpu_ms": 15.0}],
             "runs": [{"scenario": "torchserve-static-b8", "preprocess_threads": None, "images_per_s": 50.0,
@@ -71,6 +82,13 @@ def test_targets_compare_with_the_best_ceiling_and_the_predicted_gain():
     # Through Kafka: 2 cores / 20 ms per image cap one thread at 100/s; the tuned run's 10 ms leave 2/d = 200/s.
     assert "in place of d + i_cpu, X(2)/X(1) = 2.00x" in missed[1]["detail"]
     assert "cap it at 100 images/s" in missed[0]["detail"]
+
+
+def test_the_prediction_uses_the_cores_decoding_measured_not_the_core_count():
+    # C = 1.5 of 2: X(1) = min(100, 200, 100) = 100, X(2) = min(200, 200, 1.5 / 0.015 = 100): no gain predicted.
+    (_, tuned) = image_bench.evaluate_targets(_report(default=100.0, one=100.0, tuned=100.0, cores_available=1.5))
+    assert tuned["limit"] == pytest.approx(0.9) and tuned["met"]
+    assert "C=1.5 of 2 cores" in tuned["detail"]
 
 
 def test_options_refuse_runs_that_cannot_measure_anything():
