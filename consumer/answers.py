@@ -109,8 +109,8 @@ def replacement(refused: Delivery, error: KafkaError, dead_letter_topic: str, no
 
 
 def _reply(request: Request, now: float) -> Delivery:
-    record = (request.reply_topic, reply_value(request), request.key, reply_headers(request, now),
-              request.reply_partition)
+    value = reply_value(request)  # first: the value's format may put its schema id in a header
+    record = (request.reply_topic, value, request.key, reply_headers(request, now), request.reply_partition)
     return Delivery(request, "reply", record, now)
 
 

@@ -101,9 +101,12 @@ def _key_values(value: Any) -> Any:
 
 
 Csv = Annotated[list[str], Field(min_length=1)]
-_MERGED = ("kafka", "kafka_consumer", "kafka_producer", "handler_options")
+_MERGED = ("kafka", "kafka_consumer", "kafka_producer", "handler_options", "schema_registry")
 _LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000
 _DEAD_LETTER_OVERHEAD = 4096  # kinference's own dead-letter headers and the record framing
+# SchemaRegistryClient properties that it takes as numbers, not strings.
+_REGISTRY_NUMBERS = frozenset({"timeout", "cache.capacity", "cache.latest.ttl.sec", "max.retries", "retries.wait.ms",
+                               "retries.max.wait.ms"})
 
 
 class ServiceConfig(BaseModel):
@@ -150,6 +153,30 @@ class ServiceConfig(BaseModel):
     model_version: str | None = Field(
         None, description="The model's version in OIP responses; a request naming another (mlserver-version) "
         "gets model_not_found (default: none, any version accepted).",
+    )
+
+    # --- Schema Registry
+    value_format: Literal["json", "avro", "protobuf", "jsonschema"] = Field(
+        "json", description="Request and reply values: json (kinference's JSON), or avro, protobuf or jsonschema "
+        "through the Schema Registry (pip install 'kinference[schema-registry]'; OIP requests are JSON only).",
+    )
+    schema_registry_url: str | None = Field(
+        None, description="The Schema Registry's URL; needed by every value_format but json.",
+    )
+    schema_registry: dict[str, SecretStr] = Field(
+        {}, description="SchemaRegistryClient properties: basic.auth.user.info, ssl.ca.location... (key=value; "
+        "repeatable).",
+    )
+    subject_name_strategy: Literal["topic", "record", "topic-record"] = Field(
+        "topic", description="Subject of a schema: <topic>-value, the record's full name, or <topic>-<record name>.",
+    )
+    schema_id_location: Literal["prefix", "header"] = Field(
+        "prefix", description="Where replies carry their schema id: the value's prefix (Confluent wire format) or "
+        "the __value_schema_id header (its GUID); requests are read either way.",
+    )
+    auto_register_schemas: bool = Field(
+        True, description="Register kinference's reply schema under the reply topic's subject "
+        "(--no-auto-register-schemas: it must be registered already).",
     )
 
     # --- Batching
@@ -247,11 +274,15 @@ class ServiceConfig(BaseModel):
     metrics_port: int = Field(
         9400, ge=0, le=65535, description="Port of /metrics, /healthz and /readyz (0: any free port)."
     )
+    tracing: bool = Field(
+        False, description="Record an OpenTelemetry span per request, exported as the OTEL_* environment variables "
+        "say (pip install 'kinference[otel]'; docs/tracing.md).",
+    )
 
     _split = field_validator("request_topics", "reply_topics_allowed", mode="before")(_split_csv)
     _pairs = field_validator("handler_options", mode="before")(_key_values)
 
-    @field_validator("kafka", "kafka_consumer", "kafka_producer", mode="before")
+    @field_validator("kafka", "kafka_consumer", "kafka_producer", "schema_registry", mode="before")
     @classmethod
     def _librdkafka_strings(cls, value: Any) -> Any:
         """librdkafka takes every property as a string: ``session.timeout.ms: 6000`` and ``true`` from YAML or
@@ -346,6 +377,16 @@ class ServiceConfig(BaseModel):
                 f"timeout (message.timeout.ms: {delivery_timeout_s:g} s): before it, a slow delivery is not a "
                 "dead producer, and replacing the idempotent producer gives up its de-duplication"
             )
+        if self.value_format != "json" and self.schema_registry_url is None:
+            raise ValueError(f"value_format {self.value_format} needs the Schema Registry: set schema_registry_url")
+        if self.value_format != "json" and self.request_format == "oip":
+            raise ValueError(f"request_format oip takes JSON requests; value_format is {self.value_format}")
+        if "url" in self.schema_registry:
+            raise ValueError("the Schema Registry's url is set by --schema-registry-url; remove it from "
+                             "schema_registry")
+        for key in _REGISTRY_NUMBERS & self.schema_registry.keys():
+            if not re.fullmatch(r"\d+(\.\d*)?", self.schema_registry[key].get_secret_value()):
+                raise ValueError(f"schema_registry {key} must be a number")
         for option in ("kafka", "kafka_consumer", "kafka_producer"):
             for key in getattr(self, option):
                 if key in _OWNED_PROPERTIES:
@@ -424,6 +465,13 @@ class ServiceConfig(BaseModel):
             **_PRODUCER_DEFAULTS,
             **self._passthrough(self.kafka, self.kafka_producer),
         }
+
+    def schema_registry_config(self) -> dict[str, Any]:
+        """The SchemaRegistryClient dict: the URL, then the user's pass-through properties."""
+        given: dict[str, Any] = self._passthrough(self.schema_registry)
+        for key in _REGISTRY_NUMBERS & given.keys():
+            given[key] = float(given[key]) if "." in given[key] else int(given[key])
+        return {"url": self.schema_registry_url, **given}
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -34,7 +34,7 @@ import base64
 import binascii
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import orjson
@@ -73,6 +73,8 @@ class OipCall:
     model: ServedModel
     outputs: tuple[str, ...] | None
     """The output names the request asked for; None for all."""
+    value_headers: ClassVar[tuple[()]] = ()
+    """An OIP value needs no header beside it."""
 
     def response(self, result: Any) -> bytes:
         outputs = _outputs(result)

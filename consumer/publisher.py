@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
@@ -39,6 +39,9 @@ from kinference.consumer.answers import Delivery, Refusal, answer, classify, rep
 from kinference.consumer.logs import about
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
+
+if TYPE_CHECKING:
+    from kinference.consumer.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +76,11 @@ class Publisher:
         delivery_retry_timeout_s: float = 600.0,
         stall_timeout_s: float = 330.0,
         producer_factory: Callable[[dict[str, Any]], Any] = Producer,
+        tracing: Tracing | None = None,
     ) -> None:
+        """``tracing``, when on, ends each request's span once the request is answered."""
         self._metrics = metrics
+        self._tracing = tracing
         self._dead_letter_topic = dead_letter_topic
         self._on_answered = on_answered
         self._inbox: queue.Queue[list[Request]] = queue.Queue(maxsize=queue_size)
@@ -265,7 +271,13 @@ class Publisher:
     def _hand_over(self) -> None:
         if self._answered:
             answered, self._answered = self._answered, []
+            self._trace_answered(answered)
             self._on_answered(answered)
+
+    def _trace_answered(self, requests: list[Request]) -> None:
+        """The end of each request's span: when it counts as answered, which differs between the delivery modes."""
+        if self._tracing is not None:
+            self._tracing.answered(requests)
 
     def _unanswerable(self, request: Request, why: str) -> None:
         self._outstanding.pop(request, None)

@@ -9,7 +9,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
@@ -42,6 +42,10 @@ from kinference.protocol import (
     encode_error,
 )
 
+if TYPE_CHECKING:  # the Schema Registry client is an optional extra: imported only when configured
+    from kinference.consumer.serdes import SchemaRegistryFormat
+    from kinference.consumer.tracing import RequestTrace  # OpenTelemetry is an optional extra too
+
 Headers = list[tuple[str, bytes]]
 
 
@@ -53,6 +57,10 @@ class ReplyFormat(Protocol):
 
     def error(self, code: ErrorCode, message: str) -> bytes:
         """The reply value of a failed request."""
+
+    @property
+    def value_headers(self) -> Headers | tuple[()]:
+        """Headers the last value written needs beside it (a Schema Registry schema id); mostly none."""
 
 _LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 
@@ -96,7 +104,9 @@ class Request:
     """The commit ledger of the partition this record came from (``commit.PartitionLedger``)."""
     reply_format: ReplyFormat | None = None
     """How the reply value is written when it is not kinference's JSON: an Open Inference Protocol
-    ``InferenceResponse`` (``consumer.oip.OipCall``)."""
+    ``InferenceResponse`` (``consumer.oip.OipCall``), or a Schema Registry record (``consumer.serdes.SchemaReply``)."""
+    trace: RequestTrace | None = None
+    """The request's span (``consumer.tracing``); None when tracing is off."""
 
     @property
     def ok(self) -> bool:
@@ -134,6 +144,8 @@ class RequestDecoder:
     """Whether a request may name this reply topic (``config.ServiceConfig.reply_topic_allowed``)."""
     model: oip.ServedModel | None = None
     """The served model, for Open Inference Protocol requests; None: kinference's own JSON only."""
+    schemas: SchemaRegistryFormat | None = None
+    """The Schema Registry format of request and reply values (``--value-format``); None: JSON."""
 
     def decode(self, record: Any, received: float | None = None) -> Request:
         """``record`` is a confluent_kafka.Message (or anything with the same accessors). Its coordinates are
@@ -163,6 +175,9 @@ class RequestDecoder:
                                                    self.model, None)
                 request.payload, request.reply_format = oip.decode(request.value, request.key, dict(request.headers),
                                                           self.model, self.payload_format, request.correlation_id)
+            elif self.schemas is not None:
+                self._check_size(request.value)
+                request.payload = self.schemas.decode(topic, request.value, request.headers)
             else:
                 request.payload = self._read_value(request)
         except RequestError as exc:
@@ -171,6 +186,9 @@ class RequestDecoder:
         except Exception as exc:  # a record this decoder did not foresee: still a dead letter, never a crash
             request.error = RequestError(f"the record could not be decoded: {exc!r}", ErrorCode.INTERNAL_ERROR)
             request.dead_letter = True
+        if self.schemas is not None:
+            # Whatever failed: every reply on the topic is in its format, written for the topic read from the headers.
+            request.reply_format = self.schemas.reply(request.reply_topic)
         return request
 
     def _read_headers(self, request: Request) -> None:
@@ -333,6 +351,10 @@ def reply_headers(request: Request, now: float) -> Headers:
             (BATCH_SIZE, str(request.batch_size).encode()),
             (INFERENCE_MS, f"{request.inference_ms:.3f}".encode()),
         ]
+    if request.reply_format is not None:
+        headers += request.reply_format.value_headers
+    if request.trace is not None:
+        headers += request.trace.context_headers()  # the caller's trace goes on from the request's span
     return headers
 
 

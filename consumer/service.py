@@ -20,6 +20,7 @@ import time
 from functools import partial
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from confluent_kafka import KafkaException
 
@@ -38,6 +39,12 @@ from kinference.consumer.stages import Pipeline
 from kinference.consumer.transactions import MemberSlot, TransactionalPublisher
 from kinference.errors import ConfigError
 from kinference.handlers import Handler, HandlerContext, load_handler
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from kinference.consumer.serdes import SchemaRegistryFormat
+    from kinference.consumer.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +66,13 @@ def resolve_device(spec: str) -> str:
 class Service:
     """``with Service(config) as service: service.wait_ready(30)`` runs kinference in this process."""
 
-    def __init__(self, config: ServiceConfig, handler: Handler | None = None) -> None:
+    def __init__(self, config: ServiceConfig, handler: Handler | None = None,
+                 tracer_provider: TracerProvider | None = None) -> None:
+        """``tracer_provider``: where spans go with ``tracing`` on, instead of the exporters the OTEL_* environment
+        variables name (tests pass one with an in-memory exporter); flushed at stop, never shut down here."""
         self.config = config
+        self._tracer_provider = tracer_provider
+        self.tracing: Tracing | None = None
         self.handler = handler if handler is not None else load_handler(config.handler)
         self.tracker = OffsetTracker()
         self.metrics = Metrics()
@@ -90,9 +102,12 @@ class Service:
                 self.endpoints.close()
             if self._slot is not None:
                 self._slot.close()
+            if self.tracing is not None:
+                self.tracing.close(_CLOSE_RESERVE_S)
             raise
 
     def _start(self, config: ServiceConfig) -> Service:
+        self.tracing = self._open_tracing(config)  # first: a missing package fails before the model loads
         device = resolve_device(config.device)
         if config.torch_threads is not None:
             import torch
@@ -138,6 +153,7 @@ class Service:
                 metrics=self.metrics,
                 commit_interval_s=config.commit_interval_ms / 1000,
                 timeout_s=config.transaction_call_timeout_s,
+                tracing=self.tracing,
             )
             self.publisher = committer = publisher
         else:
@@ -149,6 +165,7 @@ class Service:
                 metrics=self.metrics,
                 delivery_retry_timeout_s=config.delivery_retry_timeout_s,
                 stall_timeout_s=config.stall_timeout_s,
+                tracing=self.tracing,
             )
             committer = ConsumerCommitter(self.tracker, self.metrics, config.commit_interval_ms / 1000)
         self.batcher = Batcher(config.batch_policy, config.max_batch_size, config.max_batch_delay_ms,
@@ -170,23 +187,47 @@ class Service:
             metrics=self.metrics,
             observe=self.batcher.observe,
             wake=self.batcher.wake,
+            tracing=self.tracing,
         )
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
-                                 config.max_header_bytes, config.reply_topic_allowed, self._served_model(config))
+                                 config.max_header_bytes, config.reply_topic_allowed, self._served_model(config),
+                                 self._schemas(config))
         publisher = self.publisher
         self.source = Source(config, decoder, self.tracker, partial(admit, self.handler), self._route,
                              self._reply_now, self.batcher.discard, committer,
-                             in_flight=lambda: self.tracker.in_flight + publisher.held, metrics=self.metrics)
+                             in_flight=lambda: self.tracker.in_flight + publisher.held, metrics=self.metrics,
+                             tracing=self.tracing)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: self.source.rebalance.partitions,  # type: ignore[union-attr]
                               self.metrics, config.lag_interval_s)
 
     def _served_model(self, config: ServiceConfig) -> ServedModel | None:
         """What Open Inference Protocol requests name: None when the service takes none."""
-        if config.request_format == "kinference":
+        if config.request_format == "kinference" or config.value_format != "json":
             return None
         name = config.model_name or self.handler.describe().get("model") or config.handler
         return ServedModel(name, config.model_version, config.request_format)
+
+    def _schemas(self, config: ServiceConfig) -> SchemaRegistryFormat | None:
+        """The Schema Registry format of request and reply values; None for kinference's JSON."""
+        if config.value_format == "json":
+            return None
+        try:
+            from kinference.consumer.serdes import SchemaRegistryFormat
+        except ImportError as exc:
+            raise ConfigError(f"--value-format {config.value_format} needs the Schema Registry client: pip install "
+                              f"'kinference[schema-registry]' ({exc})") from exc
+        return SchemaRegistryFormat.open(config, self.handler.payload_format)
+
+    def _open_tracing(self, config: ServiceConfig) -> Tracing | None:
+        """OpenTelemetry tracing: None when off, so that none of its code runs (nor is imported)."""
+        if not config.tracing:
+            return None
+        try:
+            from kinference.consumer.tracing import Tracing
+        except ImportError as exc:
+            raise ConfigError(f"--tracing needs OpenTelemetry: pip install 'kinference[otel]' ({exc})") from exc
+        return Tracing.open(config.group_id, self._tracer_provider)
 
     def _transactional_id(self, config: ServiceConfig) -> str:
         """Stable per member, so that a restarted member fences its own predecessor at once: the configured id,
@@ -264,6 +305,8 @@ class Service:
         publisher.stop(max(0.0, deadline - reserve_s / 2 - time.monotonic()))
         source.close(deadline)
         lag.stop()
+        if self.tracing is not None:  # every span that will end has ended: the publisher has stopped
+            self.tracing.close(max(0.0, deadline - time.monotonic()))
         if stages_stopped:
             self.handler.close()
         else:

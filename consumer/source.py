@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -36,6 +36,9 @@ from kinference.consumer.rebalance import Rebalance
 from kinference.consumer.request import Request, RequestDecoder
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
+
+if TYPE_CHECKING:
+    from kinference.consumer.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +68,12 @@ class Source:
         in_flight: Callable[[], int],
         metrics: Metrics,
         consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
+        tracing: Tracing | None = None,
     ) -> None:
         """``admit`` validates and prices the readable requests of one poll and never raises; ``route`` takes each
         request on (to the batcher, or to an error reply); ``reject`` answers a request at once (an error reply);
         ``discard`` removes the not-yet-started requests of partitions being revoked (the batcher's waiting room);
-        ``in_flight`` is what flow control bounds."""
+        ``in_flight`` is what flow control bounds; ``tracing``, when on, starts each request's span."""
         self._config = config
         self._decoder = decoder
         self._tracker = tracker
@@ -78,6 +82,7 @@ class Source:
         self._reject = reject
         self._committer = committer
         self._in_flight = in_flight
+        self._tracing = tracing
         self._fatal_errors = metrics.fatal_errors.labels("consumer")
         self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics)
         self.rebalance = Rebalance(tracker, self._flow, discard, committer.commit, metrics,
@@ -183,6 +188,8 @@ class Source:
             request = self._decoder.decode(record, received)  # never raises: a bad record is a request with an error
             request.ledger = ledger
             requests.append(request)
+        if self._tracing is not None:
+            self._tracing.received(requests)
         if next_offsets:
             self._check_positions(next_offsets)
         self._admit([request for request in requests if request.ok])

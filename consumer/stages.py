@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from kinference.consumer.request import Request
 from kinference.errors import RequestError
 from kinference.handlers.base import Handler
 from kinference.protocol import ErrorCode, encode_result
+
+if TYPE_CHECKING:
+    from kinference.consumer.tracing import BatchTrace, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,8 @@ class MicroBatch:
     work: int = 0
     """Padded tokens of ``inputs`` (for handlers that count tokens), else the item count."""
     outputs: Any = None
+    trace: BatchTrace | None = None
+    """The micro-batch's span (``consumer.tracing``); None when tracing is off."""
 
     def fail_active(self, error: RequestError) -> None:
         for request in self.active:
@@ -214,12 +219,14 @@ class Pipeline:
         metrics: Metrics | None = None,
         observe: Callable[[int, float], None] = lambda work, seconds: None,
         wake: Callable[[], None] = lambda: None,
+        tracing: Tracing | None = None,
     ) -> None:
         """``next_batch(timeout_s, only_full)`` blocks until a batch is due (``Batcher.next_batch``); while
         ``only_full()`` is true it may return only a full batch. ``wake()`` makes it look again: called when an
         inference thread frees up. ``observe(work, seconds)`` learns the cost of each inference call
-        (``Batcher.observe``)."""
+        (``Batcher.observe``). ``tracing``, when on, records a span per micro-batch and per stage call."""
         self._handler = handler
+        self._tracing = tracing
         self._observe = observe
         self._metrics = metrics = metrics or Metrics()
         self._next_batch = next_batch
@@ -243,14 +250,16 @@ class Pipeline:
         self._stopping = threading.Event()
         self._abandon = threading.Event()
         self._warm_up_lock = threading.Lock()
-        self._post = StagePool("postprocess", self._postprocess, self._emit_micro_batch,
+        # Chosen once here, so that untraced stages do not even ask whether to trace.
+        traced = tracing.stage if tracing is not None else _untraced
+        self._post = StagePool("postprocess", traced("postprocess", self._postprocess), self._emit_micro_batch,
                                postprocess_threads, depth, metrics, self._abandon)
         # Each inference thread warms the model up itself: torch keeps a thread pool per calling thread, and
         # a model first run on another thread (measured: the one that called setup) runs 30-50% slower here.
-        self._infer = StagePool("inference", self._inference, self._to_postprocess, inference_threads, depth,
-                                metrics, self._abandon, prepare=self._warm_up)
-        self._pre = StagePool("preprocess", self._preprocess, self._infer.put, preprocess_threads, depth,
-                              metrics, self._abandon)
+        self._infer = StagePool("inference", traced("inference", self._inference), self._to_postprocess,
+                                inference_threads, depth, metrics, self._abandon, prepare=self._warm_up)
+        self._pre = StagePool("preprocess", traced("preprocess", self._preprocess), self._infer.put,
+                              preprocess_threads, depth, metrics, self._abandon)
         self._pools = (self._pre, self._infer, self._post)
         self._dispatcher = threading.Thread(target=self._dispatch, name="kinference-dispatch", daemon=True)
 
@@ -308,7 +317,9 @@ class Pipeline:
             ticket = BatchTicket(len(parts), self._inference_done)
             try:
                 for part in parts:
-                    self._pre.put(MicroBatch(part, ticket, active=[request for request in part if request.ok]))
+                    trace = self._tracing.batch(part) if self._tracing is not None else None
+                    self._pre.put(MicroBatch(part, ticket, active=[request for request in part if request.ok],
+                                             trace=trace))
             except Abandoned:
                 return
 
@@ -369,4 +380,10 @@ class Pipeline:
                     request.fail(exc)
 
     def _emit_micro_batch(self, micro_batch: MicroBatch) -> None:
+        if micro_batch.trace is not None:
+            micro_batch.trace.span.end()
         self._emit(micro_batch.requests)
+
+
+def _untraced(_name: str, work: Callable[[MicroBatch], None]) -> Callable[[MicroBatch], None]:
+    return work

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
@@ -46,6 +46,9 @@ from kinference.consumer.commit import OffsetTracker, PartitionKey, PartitionLed
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.publisher import Publisher
 from kinference.consumer.request import Request
+
+if TYPE_CHECKING:
+    from kinference.consumer.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +75,12 @@ class TransactionalPublisher(Publisher):
         commit_interval_s: float,
         timeout_s: float = 30.0,
         producer_factory: Callable[[dict[str, Any]], Any] = Producer,
+        tracing: Tracing | None = None,
     ) -> None:
         # A request is answered when its transaction commits (``_committed``), not at each acknowledgement.
         super().__init__({**producer_config, "transactional.id": transactional_id}, dead_letter_topic,
                          on_answered=lambda requests: None, queue_size=queue_size, metrics=metrics,
-                         producer_factory=producer_factory)
+                         producer_factory=producer_factory, tracing=tracing)
         self._tracker = tracker
         self._group_metadata = group_metadata
         self._commit_interval_s = commit_interval_s
@@ -194,6 +198,7 @@ class TransactionalPublisher(Publisher):
             else:
                 self._metrics.dead_letters.inc()
         self._sent = []
+        self._trace_answered(batch)
         self._tracker.committed(positions)
         self._metrics.commits.inc()
         self._aborts_in_a_row = 0
