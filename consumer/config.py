@@ -69,6 +69,36 @@ class Parallelism(BaseModel):
     postprocess: int = Field(1, ge=1, le=64)
 
 
+class ModelSpec(BaseModel):
+    """One of several models served by one process (``models``). Each has its own handler, batcher and stage
+    threads; every batching field left out (null) is the service's own (``--max-batch-size``...)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, pattern=r"^[^\s,]+$")
+    version: str | None = Field(None, min_length=1)
+    handler: str = "embedding"
+    model: Path | None = None
+    handler_options: dict[str, Any] = {}
+    request_topics: list[str] = []
+    """Request topics whose records this model serves unless a record names another (``kinference-model``)."""
+    batch_policy: Literal["adaptive", "greedy", "static"] | None = None
+    max_batch_size: int | None = Field(None, ge=1, le=4096)
+    max_batch_tokens: int | None = Field(None, ge=0)
+    max_batch_delay_ms: float | None = Field(None, ge=0, le=60_000)
+    target_latency_ms: float | None = Field(None, gt=0, le=600_000)
+    max_batch_bytes: int | None = Field(None, ge=1)
+    micro_batch_size: int | None = Field(None, ge=1)
+    parallelism: Parallelism | None = None
+
+    _split = field_validator("request_topics", mode="before")(lambda value: _split_csv(value))
+    _pairs = field_validator("handler_options", mode="before")(lambda value: _key_values(value))
+
+
+_MODEL_FIELDS = ("handler", "model", "handler_options", "model_name", "model_version")
+"""The service's single-model fields: with ``models`` each model sets its own."""
+
+
 def _split_csv(value: Any) -> Any:
     if isinstance(value, str):
         return [item.strip() for item in value.split(",") if item.strip()]
@@ -151,8 +181,15 @@ class ServiceConfig(BaseModel):
         "handler's model name, else the handler).",
     )
     model_version: str | None = Field(
-        None, description="The model's version in OIP responses; a request naming another (mlserver-version) "
-        "gets model_not_found (default: none, any version accepted).",
+        None, description="The model's version in replies (kinference-model-version, OIP's model_version); a "
+        "request naming another (kinference-model-version, mlserver-version) gets model_not_found (default: none, "
+        "any version accepted).",
+    )
+    models: list[ModelSpec] = Field(
+        [], description="Several models in one process, as a JSON list (or a YAML list): each {name, version, "
+        "handler, model, handler_options, request_topics, and any batching field to override}. A record goes to "
+        "the model its kinference-model (or mlserver-model) header names, else its topic's, else the first "
+        "(default: one model, from --handler and --model).",
     )
 
     # --- Schema Registry
@@ -324,6 +361,17 @@ class ServiceConfig(BaseModel):
         value = _key_values(value) if isinstance(value, str) else value
         return {k: int(v) for k, v in value.items()} if isinstance(value, dict) else value
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models_json(cls, value: Any) -> Any:
+        """``--models`` and ``KINFERENCE_MODELS`` give the list as JSON text."""
+        if isinstance(value, str):
+            try:
+                return orjson.loads(value) if value.strip() else []
+            except orjson.JSONDecodeError as exc:
+                raise ValueError(f"models must be a JSON list of objects: {exc}") from exc
+        return value
+
     @field_validator("max_batch_tokens", mode="before")
     @classmethod
     def _no_token_budget(cls, value: Any) -> Any:
@@ -387,6 +435,7 @@ class ServiceConfig(BaseModel):
         for key in _REGISTRY_NUMBERS & self.schema_registry.keys():
             if not re.fullmatch(r"\d+(\.\d*)?", self.schema_registry[key].get_secret_value()):
                 raise ValueError(f"schema_registry {key} must be a number")
+        self._check_models()
         for option in ("kafka", "kafka_consumer", "kafka_producer"):
             for key in getattr(self, option):
                 if key in _OWNED_PROPERTIES:
@@ -396,6 +445,55 @@ class ServiceConfig(BaseModel):
                         f"({ENV_PREFIX}{field.upper()}, {field}: in YAML); remove it from {option}"
                     )
         return self
+
+    def _check_models(self) -> None:
+        if not self.models:
+            return
+        names = [spec.name for spec in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be distinct: {', '.join(names)}")
+        given = sorted(set(_MODEL_FIELDS) & self.model_fields_set)
+        if given:
+            raise ValueError(f"with models, each model sets its own handler, model, handler_options, name and "
+                             f"version: remove {', '.join(given)}")
+        owner: dict[str, str] = {}
+        for spec in self.models:
+            for topic in spec.request_topics:
+                if topic not in self.request_topics:
+                    raise ValueError(f"model {spec.name}: its request topic {topic!r} is not one of request_topics "
+                                     f"({', '.join(self.request_topics)})")
+                if topic in owner:
+                    raise ValueError(f"request topic {topic!r} is mapped to two models: {owner[topic]} and "
+                                     f"{spec.name}")
+                owner[topic] = spec.name
+            try:
+                self.for_model(spec)
+            except ValidationError as exc:
+                problems = "; ".join(f"{'.'.join(map(str, error['loc'])) or 'config'}: {error['msg']}"
+                                     for error in exc.errors())
+                raise ValueError(f"model {spec.name}: {problems}") from None
+
+    def for_model(self, spec: ModelSpec) -> ServiceConfig:
+        """The settings one model is served with: the service's, with the model's own fields in place."""
+        own = spec.model_dump(exclude={"name", "version", "request_topics"}, exclude_none=True)
+        if "max_batch_tokens" in own and own["max_batch_tokens"] == 0:
+            own["max_batch_tokens"] = None  # 0 turns the token budget off, as on the command line
+        values = {name: getattr(self, name) for name in type(self).model_fields}
+        try:  # a TorchServe archive's own batch settings come before the model's, as for a single model
+            archive = _model_settings({"handler": spec.handler, "model": spec.model,
+                                       "handler_options": spec.handler_options})
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return ServiceConfig(**{**values, **archive, **own, "model_name": spec.name, "model_version": spec.version,
+                                "models": []})
+
+    def model_configs(self) -> list[ServiceConfig]:
+        """The settings of each served model, the default (first) one first: with no ``models``, this one."""
+        return [self.for_model(spec) for spec in self.models] if self.models else [self]
+
+    def model_topics(self) -> dict[str, str]:
+        """Request topic -> the name of the model that serves its records."""
+        return {topic: spec.name for spec in self.models for topic in spec.request_topics}
 
     @property
     def resume_threshold(self) -> int:

@@ -1,7 +1,9 @@
 """Prometheus metrics of one service instance (its own registry, so several can share a process).
 
-Every name starts with ``kinference_``. Labels are bounded: topics come from the configuration, partitions
-from the current assignment (removed on revoke), outcomes from ``ErrorCode`` plus ``ok``.
+Every name starts with ``kinference_``. Labels are bounded: topics and models come from the configuration,
+partitions from the current assignment (removed on revoke), outcomes from ``ErrorCode`` plus ``ok``. Every
+metric of requests, batches and stages has a ``model`` label (the model that served them; ``none`` for a record
+no model served); those of the Kafka clients, which the models share, have none.
 """
 
 from __future__ import annotations
@@ -26,26 +28,26 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kinference_requests", "Requests answered, by request topic and outcome "
-                                "(ok or an error code).", ["topic", "outcome"], registry=r)
-        self.batch_size = Histogram("kinference_batch_size", "Requests per dispatched batch.",
+                                "(ok or an error code).", ["model", "topic", "outcome"], registry=r)
+        self.batch_size = Histogram("kinference_batch_size", "Requests per dispatched batch.", ["model"],
                                     buckets=_SIZE_BUCKETS, registry=r)
         self.batch_padded_tokens = Histogram("kinference_batch_padded_tokens", "Tokens per micro-batch after "
                                              "padding (longest x count), for handlers that report tokens.",
-                                             buckets=_TOKEN_BUCKETS, registry=r)
+                                             ["model"], buckets=_TOKEN_BUCKETS, registry=r)
         self.batch_real_tokens = Counter("kinference_batch_real_tokens", "Tokens before padding; "
-                                         "padded/real is the padding ratio.", registry=r)
+                                         "padded/real is the padding ratio.", ["model"], registry=r)
         self.batch_cost_fixed = Gauge("kinference_batch_cost_fixed_seconds", "Learned fixed cost of one inference "
                                       "call (what the adaptive policy weighs against waiting); NaN until learned.",
-                                      registry=r)
+                                      ["model"], registry=r)
         self.batch_cost_per_unit = Gauge("kinference_batch_cost_per_unit_seconds", "Learned cost of each padded "
                                          "token (or request, for handlers that count no tokens) of an inference "
-                                         "call; NaN until learned.", registry=r)
+                                         "call; NaN until learned.", ["model"], registry=r)
         self.queue_wait = Histogram("kinference_queue_wait_seconds", "From receipt by the consumer to dispatch "
-                                    "in a batch.", ["topic"], buckets=_LATENCY_BUCKETS, registry=r)
+                                    "in a batch.", ["model", "topic"], buckets=_LATENCY_BUCKETS, registry=r)
         self.stage_seconds = Histogram("kinference_stage_seconds", "Duration of one stage call for one "
-                                       "micro-batch.", ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
+                                       "micro-batch.", ["model", "stage"], buckets=_LATENCY_BUCKETS, registry=r)
         self.service_seconds = Histogram("kinference_service_seconds", "From receipt by the consumer to the "
-                                         "reply handed to the producer.", ["topic"], buckets=_LATENCY_BUCKETS,
+                                         "reply handed to the producer.", ["model", "topic"], buckets=_LATENCY_BUCKETS,
                                          registry=r)
         self.in_flight = Gauge("kinference_in_flight", "Requests consumed and not yet answered.", registry=r)
         self.paused_partitions = Gauge("kinference_paused_partitions", "Assigned partitions paused by "
@@ -80,7 +82,8 @@ class Metrics:
             self.fatal_errors.labels(client)  # a zero before the first one, so that increase() sees it
         # process_start_time_seconds: restarts (a fatal consumer error ends the process) show as its changes.
         ProcessCollector(registry=r)
-        self.model = Info("kinference_model", "The handler being served.", registry=r)
+        self.model = Info("kinference_model", "Each model being served: its handler's description.", ["model"],
+                          registry=r)
         self.build = Info("kinference_build", "Versions of kinference and of what it runs on.", registry=r)
         self.build.info(build_info())
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}

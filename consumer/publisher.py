@@ -39,6 +39,7 @@ from kinference.consumer.answers import Delivery, Refusal, answer, classify, rep
 from kinference.consumer.logs import about
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
+from kinference.consumer.router import NO_MODEL
 
 if TYPE_CHECKING:
     from kinference.consumer.tracing import Tracing
@@ -58,10 +59,11 @@ class PublisherDown(RuntimeError):
 def observe(metrics: Metrics, request: Request, now: float) -> None:
     """Per-request metrics, taken when the request reaches the publisher."""
     outcome = "ok" if request.error is None else str(request.error.code)
-    metrics.labelled(metrics.requests, request.topic, outcome).inc()
-    metrics.labelled(metrics.service_seconds, request.topic).observe(now - request.received)
+    model = request.model.name if request.model is not None else NO_MODEL
+    metrics.labelled(metrics.requests, model, request.topic, outcome).inc()
+    metrics.labelled(metrics.service_seconds, model, request.topic).observe(now - request.received)
     if request.dispatched is not None:
-        metrics.labelled(metrics.queue_wait, request.topic).observe(request.dispatched - request.received)
+        metrics.labelled(metrics.queue_wait, model, request.topic).observe(request.dispatched - request.received)
 
 
 class Publisher:

@@ -43,6 +43,7 @@ from kinference.protocol import (
 )
 
 if TYPE_CHECKING:  # the Schema Registry client is an optional extra: imported only when configured
+    from kinference.consumer.router import ModelRoute, Router
     from kinference.consumer.serdes import SchemaRegistryFormat
     from kinference.consumer.tracing import RequestTrace  # OpenTelemetry is an optional extra too
 
@@ -107,6 +108,8 @@ class Request:
     ``InferenceResponse`` (``consumer.oip.OipCall``), or a Schema Registry record (``consumer.serdes.SchemaReply``)."""
     trace: RequestTrace | None = None
     """The request's span (``consumer.tracing``); None when tracing is off."""
+    model: ModelRoute | None = None
+    """The model that serves it (``consumer.router``); None until routed, and for a record no model serves."""
 
     @property
     def ok(self) -> bool:
@@ -146,6 +149,9 @@ class RequestDecoder:
     """The served model, for Open Inference Protocol requests; None: kinference's own JSON only."""
     schemas: SchemaRegistryFormat | None = None
     """The Schema Registry format of request and reply values (``--value-format``); None: JSON."""
+    router: Router | None = None
+    """Which model serves each record; its model's payload format and OIP model then replace ``payload_format``
+    and ``model``. None: one unnamed model."""
 
     def decode(self, record: Any, received: float | None = None) -> Request:
         """``record`` is a confluent_kafka.Message (or anything with the same accessors). Its coordinates are
@@ -168,18 +174,22 @@ class RequestDecoder:
             request.headers = _headers(record, request)
             self._read_headers(request)
             self._check_header_size(request.headers)
-            if self.model is not None and self.model.speaks_oip(request.headers):
+            payload_format, model = self.payload_format, self.model
+            if self.router is not None:
+                request.model = route = self._route(request)
+                payload_format, model = route.payload_format, route.served
+            if model is not None and model.speaks_oip(request.headers):
                 self._check_size(request.value)
                 # Set first, so that even a request that fails to decode is answered in OIP's shape.
                 request.reply_format = oip.OipCall(oip.request_id(request.key, {}, request.correlation_id),
-                                                   self.model, None)
+                                                   model, None)
                 request.payload, request.reply_format = oip.decode(request.value, request.key, dict(request.headers),
-                                                          self.model, self.payload_format, request.correlation_id)
+                                                                   model, payload_format, request.correlation_id)
             elif self.schemas is not None:
                 self._check_size(request.value)
                 request.payload = self.schemas.decode(topic, request.value, request.headers)
             else:
-                request.payload = self._read_value(request)
+                request.payload = self._read_value(request, payload_format)
         except RequestError as exc:
             request.error = exc
             request.dead_letter = True
@@ -190,6 +200,17 @@ class RequestDecoder:
             # Whatever failed: every reply on the topic is in its format, written for the topic read from the headers.
             request.reply_format = self.schemas.reply(request.reply_topic)
         return request
+
+    def _route(self, request: Request) -> ModelRoute:
+        try:
+            return self.router.route(request.topic, request.headers)  # type: ignore[union-attr]
+        except RequestError:
+            served = self.router.default.served  # type: ignore[union-attr]
+            if served is not None and served.speaks_oip(request.headers):
+                # An OIP caller naming a model not served here gets OIP's error body, as MLServer answers it.
+                request.reply_format = oip.OipCall(oip.request_id(request.key, {}, request.correlation_id), served,
+                                                   None)
+            raise
 
     def _read_headers(self, request: Request) -> None:
         problems = []
@@ -240,12 +261,12 @@ class RequestDecoder:
                 ErrorCode.PAYLOAD_TOO_LARGE,
             )
 
-    def _read_value(self, request: Request) -> Any:
+    def _read_value(self, request: Request, payload_format: PayloadFormat) -> Any:
         value = request.value
         self._check_size(value)
-        if self.payload_format == "bytes":
+        if payload_format == "bytes":
             return value or b""
-        if self.payload_format == "record":
+        if payload_format == "record":
             headers = {name: raw.decode("utf-8", "replace") for name, raw in request.headers if raw is not None}
             return Record(value or b"", request.key, headers, request.correlation_id)
         if not value:
@@ -351,6 +372,8 @@ def reply_headers(request: Request, now: float) -> Headers:
             (BATCH_SIZE, str(request.batch_size).encode()),
             (INFERENCE_MS, f"{request.inference_ms:.3f}".encode()),
         ]
+    if request.model is not None:
+        headers += request.model.reply_headers()
     if request.reply_format is not None:
         headers += request.reply_format.value_headers
     if request.trace is not None:

@@ -1,5 +1,9 @@
 """The service: wires source -> batcher -> stages -> publisher -> commit, and owns their lifecycle.
 
+Each served model (one by default, several with ``models``) has its own handler, batcher and stage threads; the
+source, the publisher, the commit ledger and the device are the process's. The source's decoder routes each
+record to its model (``consumer/router.py``), and ``_route`` hands it to that model's batcher.
+
 Start order: the stages first (each inference thread warms the model up), then the publisher, the source last,
 so that nothing is consumed before the model is ready and there is somewhere to send replies.
 
@@ -17,7 +21,7 @@ import logging
 import math
 import threading
 import time
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -31,9 +35,10 @@ from kinference.consumer.config import ServiceConfig
 from kinference.consumer.endpoints import Endpoints
 from kinference.consumer.lag import LagMonitor
 from kinference.consumer.metrics import Metrics
-from kinference.consumer.oip import ServedModel
+from kinference.consumer.oip import ServedModel as OipModel
 from kinference.consumer.publisher import Publisher
 from kinference.consumer.request import Request, RequestDecoder
+from kinference.consumer.router import ModelRoute, Router
 from kinference.consumer.source import Committer, Source
 from kinference.consumer.stages import Pipeline
 from kinference.consumer.transactions import MemberSlot, TransactionalPublisher
@@ -52,6 +57,23 @@ _CLOSE_RESERVE_S = 5.0
 """Of the shutdown deadline, the part kept for flushing replies, committing and leaving the group."""
 _PAUSE_WAIT_S = 2.0
 """At shutdown, how long to wait for the poll thread to pause (one poll turn, normally)."""
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """One model of the process: its settings, its handler (one copy of the weights) and, once built, its own
+    batcher and stage threads. The device, the consumer, the producer and the commit ledger are the process's."""
+
+    config: ServiceConfig
+    """The service's settings with this model's own in place (``ServiceConfig.for_model``)."""
+    handler: Handler
+    route: ModelRoute | None = None
+    batcher: Batcher | None = None
+    pipeline: Pipeline | None = None
+
+    @property
+    def name(self) -> str:
+        return self.route.name if self.route is not None else self.config.handler
 
 
 def resolve_device(spec: str) -> str:
@@ -73,7 +95,12 @@ class Service:
         self.config = config
         self._tracer_provider = tracer_provider
         self.tracing: Tracing | None = None
-        self.handler = handler if handler is not None else load_handler(config.handler)
+        if handler is not None and config.models:
+            raise ConfigError("a handler object serves one model; with models, each model names its handler")
+        self.models = [LoadedModel(settings, handler if handler is not None else load_handler(settings.handler))
+                       for settings in config.model_configs()]
+        """The served models, the default (first) one first."""
+        self._by_name: dict[str, LoadedModel] = {}
         self.tracker = OffsetTracker()
         self.metrics = Metrics()
         self.metrics.ready.set_function(lambda: float(all(self.readiness_checks().values())))
@@ -84,8 +111,6 @@ class Service:
         self._stopped = threading.Event()
         self._slot: MemberSlot | None = None
         self.publisher: Publisher | TransactionalPublisher | None = None
-        self.batcher: Batcher | None = None
-        self.pipeline: Pipeline | None = None
         self.source: Source | None = None
         self.lag: LagMonitor | None = None
 
@@ -113,28 +138,32 @@ class Service:
             import torch
 
             torch.set_num_threads(config.torch_threads)
-        self.handler.setup(HandlerContext(device=device, model=_path(config.model),
-                                          options=dict(config.handler_options),
-                                          max_batch_size=config.micro_batch_size or config.max_batch_size,
-                                          registry=self.metrics.registry))
+        for model in self.models:  # every model on the one device
+            settings = model.config
+            model.handler.setup(HandlerContext(device=device, model=_path(settings.model),
+                                               options=dict(settings.handler_options),
+                                               max_batch_size=settings.micro_batch_size or settings.max_batch_size,
+                                               registry=self.metrics.registry))
         try:
             self._build(config)
         except KafkaException as exc:
             raise ConfigError(f"the Kafka client configuration was rejected: {exc.args[0].str()}") from exc
-        self.pipeline.start()  # type: ignore[union-attr]  # returns once the inference threads warmed up
+        for model in self.models:
+            model.pipeline.start()  # type: ignore[union-attr]  # returns once the inference threads warmed up
+            self.metrics.model.labels(model.name).info(_info_labels(model.handler.describe()))
+            settings = model.config
+            log.info("model %s ready: %s; batching: %s policy, max_batch_size=%d, max_batch_delay_ms=%g, "
+                     "micro_batch_size=%s, parallelism %s", model.name, model.handler.describe(),
+                     settings.batch_policy, settings.max_batch_size, settings.max_batch_delay_ms,
+                     settings.micro_batch_size, settings.parallelism.model_dump())
         self._model_ready = True
-        self.metrics.model.info(self.handler.describe())
-        log.info("handler ready: %s", self.handler.describe())
-        log.info("batching: %s policy, max_batch_size=%d, max_batch_delay_ms=%g, micro_batch_size=%s, parallelism "
-                 "%s", config.batch_policy, config.max_batch_size, config.max_batch_delay_ms, config.micro_batch_size,
-                 config.parallelism.model_dump())
         self.publisher.start()  # type: ignore[union-attr]
         self.source.start()  # type: ignore[union-attr]
         self.lag.start()  # type: ignore[union-attr]
         self._started = True
-        log.info("serving %s -> %s (group %s, %s batching, max batch %d, %s, %s rebalancing)",
-                 ",".join(config.request_topics), config.reply_topic, config.group_id, config.batch_policy,
-                 config.max_batch_size, config.delivery,
+        log.info("serving %s -> %s (group %s, models %s, %s, %s rebalancing)",
+                 ",".join(config.request_topics), config.reply_topic, config.group_id,
+                 ", ".join(model.name for model in self.models), config.delivery,
                  "incremental" if config.incremental_rebalancing else "eager")
         return self
 
@@ -168,45 +197,66 @@ class Service:
                 tracing=self.tracing,
             )
             committer = ConsumerCommitter(self.tracker, self.metrics, config.commit_interval_ms / 1000)
-        self.batcher = Batcher(config.batch_policy, config.max_batch_size, config.max_batch_delay_ms,
-                               reject=self._reply_now, max_batch_tokens=config.max_batch_tokens,
-                               max_batch_bytes=config.max_batch_bytes, max_queue_ms=config.max_queue_ms,
-                               target_latency_ms=config.target_latency_ms)
-        cost = self.batcher.cost
-        self.metrics.batch_cost_fixed.set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
-        self.metrics.batch_cost_per_unit.set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
-        self.pipeline = Pipeline(
-            self.handler,
-            self.batcher.next_batch,
-            self.publisher.submit,
-            preprocess_threads=config.parallelism.preprocess,
-            inference_threads=config.parallelism.inference,
-            postprocess_threads=config.parallelism.postprocess,
-            max_batch_size=config.max_batch_size,
-            micro_batch_size=config.micro_batch_size,
-            metrics=self.metrics,
-            observe=self.batcher.observe,
-            wake=self.batcher.wake,
-            tracing=self.tracing,
-        )
+        for model in self.models:
+            self._build_model(model, self.publisher)
+        schemas = self._schemas(config)
+        router = Router([model.route for model in self.models], config.model_topics())  # type: ignore[misc]
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
-                                 config.max_header_bytes, config.reply_topic_allowed, self._served_model(config),
-                                 self._schemas(config))
+                                 config.max_header_bytes, config.reply_topic_allowed, schemas=schemas,
+                                 router=router)
         publisher = self.publisher
-        self.source = Source(config, decoder, self.tracker, partial(admit, self.handler), self._route,
-                             self._reply_now, self.batcher.discard, committer,
-                             in_flight=lambda: self.tracker.in_flight + publisher.held, metrics=self.metrics,
-                             tracing=self.tracing)
+        self.source = Source(config, decoder, self.tracker, self._admit, self._route, self._reply_now, self._discard,
+                             committer, in_flight=lambda: self.tracker.in_flight + publisher.held,
+                             metrics=self.metrics, tracing=self.tracing)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: self.source.rebalance.partitions,  # type: ignore[union-attr]
                               self.metrics, config.lag_interval_s)
 
-    def _served_model(self, config: ServiceConfig) -> ServedModel | None:
-        """What Open Inference Protocol requests name: None when the service takes none."""
-        if config.request_format == "kinference" or config.value_format != "json":
-            return None
-        name = config.model_name or self.handler.describe().get("model") or config.handler
-        return ServedModel(name, config.model_version, config.request_format)
+    def _build_model(self, model: LoadedModel, publisher: Publisher) -> None:
+        """The model's route, batcher and stage threads (not started)."""
+        settings = model.config
+        name = settings.model_name or model.handler.describe().get("model") or settings.handler
+        served = (None if settings.request_format == "kinference" or settings.value_format != "json"
+                  else OipModel(name, settings.model_version, settings.request_format))
+        model.route = ModelRoute(name, settings.model_version, model.handler.payload_format, served)
+        self._by_name[name] = model
+        model.batcher = batcher = Batcher(
+            settings.batch_policy, settings.max_batch_size, settings.max_batch_delay_ms, reject=self._reply_now,
+            max_batch_tokens=settings.max_batch_tokens, max_batch_bytes=settings.max_batch_bytes,
+            max_queue_ms=settings.max_queue_ms, target_latency_ms=settings.target_latency_ms)
+        cost = batcher.cost
+        self.metrics.batch_cost_fixed.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
+        self.metrics.batch_cost_per_unit.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
+        model.pipeline = Pipeline(
+            model.handler,
+            batcher.next_batch,
+            publisher.submit,
+            preprocess_threads=settings.parallelism.preprocess,
+            inference_threads=settings.parallelism.inference,
+            postprocess_threads=settings.parallelism.postprocess,
+            max_batch_size=settings.max_batch_size,
+            micro_batch_size=settings.micro_batch_size,
+            metrics=self.metrics,
+            observe=batcher.observe,
+            wake=batcher.wake,
+            tracing=self.tracing,
+            model=name,
+        )
+
+    @property
+    def handler(self) -> Handler:
+        """The default model's handler (the only one, unless ``models`` lists several)."""
+        return self.models[0].handler
+
+    @property
+    def batcher(self) -> Batcher | None:
+        """The default model's batcher."""
+        return self.models[0].batcher
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The default model's stage pipeline."""
+        return self.models[0].pipeline
 
     def _schemas(self, config: ServiceConfig) -> SchemaRegistryFormat | None:
         """The Schema Registry format of request and reply values; None for kinference's JSON."""
@@ -217,7 +267,9 @@ class Service:
         except ImportError as exc:
             raise ConfigError(f"--value-format {config.value_format} needs the Schema Registry client: pip install "
                               f"'kinference[schema-registry]' ({exc})") from exc
-        return SchemaRegistryFormat.open(config, self.handler.payload_format)
+        # The decoded record is every model's payload: a model whose handler takes no JSON fails the start.
+        refusing = next((model for model in self.models if model.handler.payload_format != "json"), self.models[0])
+        return SchemaRegistryFormat.open(config, refusing.handler.payload_format)
 
     def _open_tracing(self, config: ServiceConfig) -> Tracing | None:
         """OpenTelemetry tracing: None when off, so that none of its code runs (nor is imported)."""
@@ -251,7 +303,7 @@ class Service:
             return {"process": True}
         return {
             "source": self.source.alive,  # type: ignore[union-attr]
-            "stages": self.pipeline.healthy,  # type: ignore[union-attr]
+            "stages": all(model.pipeline.healthy for model in self.models),  # type: ignore[union-attr]
             "publisher": self.publisher.alive and self.publisher.failure is None,  # type: ignore[union-attr]
         }
 
@@ -289,8 +341,8 @@ class Service:
         grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace_s
         reserve_s = min(_CLOSE_RESERVE_S, grace_s / 3)
-        source, pipeline, publisher, batcher, lag = self.source, self.pipeline, self.publisher, self.batcher, self.lag
-        if source is None or pipeline is None or publisher is None or batcher is None or lag is None:
+        source, publisher, lag = self.source, self.publisher, self.lag
+        if source is None or publisher is None or lag is None:
             return  # unreachable once started; spelled out for the type checker
         source.drain(min(_PAUSE_WAIT_S, grace_s / 10))
         # With the publisher gone, in-flight work can never be answered: waiting for it only delays the restart.
@@ -298,31 +350,51 @@ class Service:
         if not self.tracker.wait_idle(max(0.0, drain_until - time.monotonic())):
             log.warning("shutdown: %d requests still in flight; they stay uncommitted and are served again after a "
                         "restart", self.tracker.in_flight)
-        batcher.close()
+        for model in self.models:
+            model.batcher.close()  # type: ignore[union-attr]
         # Idle stages stop within a poll interval; busy ones get what is left of the drain time, and a quarter of
         # the reserve. Then the publisher flushes, and the source commits and leaves the group.
-        stages_stopped = pipeline.stop(max(0.0, drain_until - time.monotonic()) + reserve_s / 4)
+        stages_by = max(time.monotonic(), drain_until) + reserve_s / 4
+        stopped = [model.pipeline.stop(max(0.0, stages_by - time.monotonic()))  # type: ignore[union-attr]
+                   for model in self.models]
         publisher.stop(max(0.0, deadline - reserve_s / 2 - time.monotonic()))
         source.close(deadline)
         lag.stop()
         if self.tracing is not None:  # every span that will end has ended: the publisher has stopped
             self.tracing.close(max(0.0, deadline - time.monotonic()))
-        if stages_stopped:
-            self.handler.close()
-        else:
-            log.warning("shutdown: a stage thread is still busy (a handler call that does not return); "
-                        "handler.close() is skipped")
+        for model, stages_stopped in zip(self.models, stopped, strict=True):
+            if stages_stopped:
+                model.handler.close()
+            else:
+                log.warning("shutdown: a stage thread of model %s is still busy (a handler call that does not "
+                            "return); its handler.close() is skipped", model.name)
         if self._slot is not None:
             self._slot.close()
         if self.endpoints is not None:
             self.endpoints.close()
         log.info("stopped")
 
+    def _admit(self, requests: list[Request]) -> None:
+        """Admission of one poll's readable requests, by the handler of each one's model."""
+        if len(self.models) == 1:
+            admit(self.handler, requests)
+            return
+        by_model: dict[str, list[Request]] = {}
+        for request in requests:
+            by_model.setdefault(request.model.name, []).append(request)  # type: ignore[union-attr]
+        for name, some in by_model.items():
+            admit(self._by_name[name].handler, some)
+
     def _route(self, request: Request) -> None:
         if request.ok:
-            self.batcher.put(request)  # type: ignore[union-attr]
+            self._by_name[request.model.name].batcher.put(request)  # type: ignore[union-attr]
         else:
             self._reply_now(request)
+
+    def _discard(self, partitions: list[tuple[str, int]]) -> list[Request]:
+        """The requests of revoked partitions that no model has started on, out of every model's batcher."""
+        return [request for model in self.models
+                for request in model.batcher.discard(partitions)]  # type: ignore[union-attr]
 
     def _reply_now(self, request: Request) -> None:
         """Requests that will not be computed (bad record, expired deadline) go straight to replies."""
@@ -334,6 +406,12 @@ class Service:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _info_labels(described: dict[str, str]) -> dict[str, str]:
+    """A handler's description as ``kinference_model_info`` labels: its own ``model`` (the weights' name) becomes
+    ``weights``, since ``model`` is the served model's name there, as on every other metric."""
+    return {("weights" if key == "model" else key): value for key, value in described.items()}
 
 
 def _path(model: Path | None) -> Path | None:

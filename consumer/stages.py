@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _STOP = object()
+DEFAULT_MODEL = "default"
+"""The ``model`` label of a pipeline built without a model's name (one unnamed model)."""
 _POLL_S = 0.1
 
 
@@ -114,11 +116,13 @@ class StagePool:
         metrics: Metrics,
         abandon: threading.Event,
         prepare: Callable[[], None] | None = None,
+        model: str = DEFAULT_MODEL,
     ) -> None:
-        """``abandon`` is set when the shutdown deadline passed: a full inbox then stops waiting."""
+        """``abandon`` is set when the shutdown deadline passed: a full inbox then stops waiting. ``model`` is the
+        metrics' label: the model whose stage this is."""
         self.name = name
         self._abandon = abandon
-        self._seconds = metrics.stage_seconds.labels(name)
+        self._seconds = metrics.stage_seconds.labels(model, name)
         self.inbox: queue.Queue[Any] = queue.Queue(maxsize=inbox_size)
         self._work = work
         self._forward = forward
@@ -220,15 +224,20 @@ class Pipeline:
         observe: Callable[[int, float], None] = lambda work, seconds: None,
         wake: Callable[[], None] = lambda: None,
         tracing: Tracing | None = None,
+        model: str = DEFAULT_MODEL,
     ) -> None:
         """``next_batch(timeout_s, only_full)`` blocks until a batch is due (``Batcher.next_batch``); while
         ``only_full()`` is true it may return only a full batch. ``wake()`` makes it look again: called when an
         inference thread frees up. ``observe(work, seconds)`` learns the cost of each inference call
-        (``Batcher.observe``). ``tracing``, when on, records a span per micro-batch and per stage call."""
+        (``Batcher.observe``). ``tracing``, when on, records a span per micro-batch and per stage call. ``model``
+        names the served model in the metrics."""
         self._handler = handler
         self._tracing = tracing
         self._observe = observe
         self._metrics = metrics = metrics or Metrics()
+        self._batch_size = metrics.batch_size.labels(model)
+        self._real_tokens = metrics.batch_real_tokens.labels(model)
+        self._padded_tokens = metrics.batch_padded_tokens.labels(model)
         self._next_batch = next_batch
         self._emit = emit
         self._micro = micro_batch_size or max_batch_size
@@ -253,13 +262,13 @@ class Pipeline:
         # Chosen once here, so that untraced stages do not even ask whether to trace.
         traced = tracing.stage if tracing is not None else _untraced
         self._post = StagePool("postprocess", traced("postprocess", self._postprocess), self._emit_micro_batch,
-                               postprocess_threads, depth, metrics, self._abandon)
+                               postprocess_threads, depth, metrics, self._abandon, model=model)
         # Each inference thread warms the model up itself: torch keeps a thread pool per calling thread, and
         # a model first run on another thread (measured: the one that called setup) runs 30-50% slower here.
         self._infer = StagePool("inference", traced("inference", self._inference), self._to_postprocess,
-                                inference_threads, depth, metrics, self._abandon, prepare=self._warm_up)
+                                inference_threads, depth, metrics, self._abandon, prepare=self._warm_up, model=model)
         self._pre = StagePool("preprocess", traced("preprocess", self._preprocess), self._infer.put,
-                              preprocess_threads, depth, metrics, self._abandon)
+                              preprocess_threads, depth, metrics, self._abandon, model=model)
         self._pools = (self._pre, self._infer, self._post)
         self._dispatcher = threading.Thread(target=self._dispatch, name="kinference-dispatch", daemon=True)
 
@@ -310,7 +319,7 @@ class Pipeline:
             if not batch:
                 self._slots.release()
                 continue
-            self._metrics.batch_size.observe(len(batch))
+            self._batch_size.observe(len(batch))
             parts = [batch[i : i + self._micro] for i in range(0, len(batch), self._micro)]
             with self._running_lock:
                 self._running += 1
@@ -340,8 +349,8 @@ class Pipeline:
         if tokens is None:
             micro_batch.work = len(micro_batch.items)
         else:
-            self._metrics.batch_real_tokens.inc(tokens[0])
-            self._metrics.batch_padded_tokens.observe(tokens[1])
+            self._real_tokens.inc(tokens[0])
+            self._padded_tokens.observe(tokens[1])
             micro_batch.work = tokens[1]
 
     def _inference(self, micro_batch: MicroBatch) -> None:

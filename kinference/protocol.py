@@ -27,6 +27,10 @@ SERVICE_MS = "kinference-service-ms"
 SOURCE_TOPIC = "kinference-source-topic"
 SOURCE_PARTITION = "kinference-source-partition"
 SOURCE_OFFSET = "kinference-source-offset"
+MODEL = "kinference-model"
+"""On a request: the model to serve it (several models in one process); on a reply: the model that did."""
+MODEL_VERSION = "kinference-model-version"
+"""On a request: the model version it needs; on a reply: the version that served it (when the model has one)."""
 # Spring Kafka's ReplyingKafkaTemplate headers (KafkaHeaders.CORRELATION_ID, REPLY_TOPIC, REPLY_PARTITION).
 SPRING_CORRELATION_ID = "kafka_correlationId"
 SPRING_REPLY_TOPIC = "kafka_replyTopic"
@@ -57,7 +61,8 @@ class ErrorCode(StrEnum):
     """The request named a reply topic outside the service's allow-list; the error reply goes to the default
     reply topic instead."""
     MODEL_NOT_FOUND = "model_not_found"
-    """The request names a model (``mlserver-model``/``mlserver-version`` headers) this service does not serve."""
+    """The request names a model (``kinference-model``/``kinference-model-version``, or MLServer's
+    ``mlserver-model``/``mlserver-version`` headers) this service does not serve."""
     INTERNAL_ERROR = "internal_error"
     """A fault in kinference itself; the message says what failed."""
 

@@ -116,8 +116,9 @@ def _stats(served: Any) -> dict[str, Any]:
     figures = dict(stats()) if callable(stats) else {}
     registry = getattr(getattr(served, "metrics", None), "registry", None)
     if registry is not None:
-        inference = registry.get_sample_value("kinference_stage_seconds_sum", {"stage": "inference"})
-        figures["inference_s"] = inference or 0.0
+        figures["inference_s"] = sum(sample.value for family in registry.collect()
+                                     if family.name == "kinference_stage_seconds" for sample in family.samples
+                                     if sample.name.endswith("_sum") and sample.labels.get("stage") == "inference")
     return figures
 
 

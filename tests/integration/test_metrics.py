@@ -79,20 +79,20 @@ def test_metrics_count_what_was_sent_and_readiness_follows_assignment(broker):
         assert wait_for(lag_is_zero), "consumer lag did not drop to 0"
         metrics = samples(port)
 
-    assert value(metrics, "kinference_requests_total", topic=topic, outcome="ok") == valid
-    assert value(metrics, "kinference_requests_total", topic=topic, outcome="bad_request") == malformed
+    assert value(metrics, "kinference_requests_total", model="echo", topic=topic, outcome="ok") == valid
+    assert value(metrics, "kinference_requests_total", model="echo", topic=topic, outcome="bad_request") == malformed
     assert value(metrics, "kinference_replies_total", status="ok") == valid
     assert value(metrics, "kinference_replies_total", status="error") == malformed
     assert value(metrics, "kinference_dead_letters_total") == malformed
-    assert value(metrics, "kinference_batch_size_sum") == valid  # only valid requests reach a batch
-    assert 1 <= value(metrics, "kinference_batch_size_count") <= valid
-    assert value(metrics, "kinference_queue_wait_seconds_count", topic=topic) == valid
-    assert value(metrics, "kinference_service_seconds_count", topic=topic) == valid + malformed
-    assert value(metrics, "kinference_stage_seconds_count", stage="inference") == value(
-        metrics, "kinference_batch_size_count")
+    assert value(metrics, "kinference_batch_size_sum", model="echo") == valid  # only valid requests reach a batch
+    assert 1 <= value(metrics, "kinference_batch_size_count", model="echo") <= valid
+    assert value(metrics, "kinference_queue_wait_seconds_count", model="echo", topic=topic) == valid
+    assert value(metrics, "kinference_service_seconds_count", model="echo", topic=topic) == valid + malformed
+    assert value(metrics, "kinference_stage_seconds_count", model="echo", stage="inference") == value(
+        metrics, "kinference_batch_size_count", model="echo")
     assert value(metrics, "kinference_commits_total") >= 1 and value(metrics, "kinference_commit_failures_total") == 0
     assert value(metrics, "kinference_assigned_partitions") == 3
-    assert value(metrics, "kinference_model_info", handler="echo") == 1
+    assert value(metrics, "kinference_model_info", model="echo", handler="echo") == 1
     assert value(metrics, "kinference_fatal_errors_total", client="consumer") == 0
     assert value(metrics, "process_start_time_seconds") > 0
     # The adaptive policy's cost model is exposed (NaN until enough batches of different sizes ran).

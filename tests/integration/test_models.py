@@ -45,8 +45,9 @@ def test_service_embeddings_equal_transformers_one_text_at_a_time(broker, batchi
         padded = service.metrics.registry.get_sample_value
         if config.max_batch_tokens is not None:  # no micro-batch went over the budget
             budget_bucket = min(b for b in (2048.0, 8192.0) if b >= config.max_batch_tokens)
-            assert padded("kinference_batch_padded_tokens_bucket", {"le": str(budget_bucket)}) == padded(
-                "kinference_batch_padded_tokens_count")
+            model = {"model": service.models[0].name}
+            assert padded("kinference_batch_padded_tokens_bucket", {**model, "le": str(budget_bucket)}) == padded(
+                "kinference_batch_padded_tokens_count", model)
     assert len(replies) == len(texts)
     by_index = {int(headers_of(m)[protocol.CORRELATION_ID]): orjson.loads(m.value()) for m in replies}
     served = torch.tensor([by_index[i]["result"]["embedding"] for i in range(len(texts))])

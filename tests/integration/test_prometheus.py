@@ -169,12 +169,15 @@ def dashboard_queries() -> dict[str, str]:
 
 
 def variable_queries() -> list[tuple[str, str]]:
-    """(label, series selector) of each ``label_values(SELECTOR, LABEL)`` variable."""
+    """(label, series selector) of each ``label_values(SELECTOR, LABEL)`` variable, the variables it depends on
+    at their "All" selection."""
     found = []
-    for variable in json.loads(DASHBOARD.read_text())["templating"]["list"]:
+    variables = json.loads(DASHBOARD.read_text())["templating"]["list"]
+    everything = {variable["name"]: variable["allValue"] for variable in variables}
+    for variable in variables:
         match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", variable["definition"])
         assert match, f"unsupported variable query {variable['definition']!r}"
-        found.append((match.group(2), match.group(1)))
+        found.append((match.group(2), re.sub(r"\$(\w+)", lambda m: everything[m.group(1)], match.group(1))))
     return found
 
 
