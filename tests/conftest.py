@@ -100,3 +100,17 @@ def apache_kafka(start_timeout_s: float = 120.0) -> Iterator[str]:
 @pytest.fixture
 def unique_id() -> str:
     return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def spans():
+    """(a tracer provider, its in-memory exporter): every span the provider ends, kept for the test to read."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()

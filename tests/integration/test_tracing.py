@@ -7,9 +7,6 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk")
 
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from kinference import protocol
@@ -22,15 +19,6 @@ pytestmark = pytest.mark.integration
 READY_S = 30
 COUNT = 12
 STAGES = ["preprocess", "inference", "postprocess"]
-
-
-@pytest.fixture
-def exporter():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider, exporter
-    provider.shutdown()
 
 
 def caller(i: int) -> tuple[int, int, bytes]:
@@ -54,13 +42,13 @@ def serve(broker, topics, provider, records, **overrides):
     return {headers_of(reply)[protocol.CORRELATION_ID].decode(): reply for reply in replies}
 
 
-def test_the_callers_trace_goes_through_the_service_and_back_in_the_reply(broker, exporter):
-    provider, spans = exporter
+def test_the_callers_trace_goes_through_the_service_and_back_in_the_reply(broker, spans):
+    provider, exporter = spans
     topics = broker.topics(requests=2, replies=1, dead=1)
     bad = 5
     replies = serve(broker, topics, provider, requests(bad), tracing=True)
 
-    finished = spans.get_finished_spans()
+    finished = exporter.get_finished_spans()
     batches = {span.context.span_id: span for span in finished if span.name == BATCH_SPAN}
     stage_spans = [span for span in finished if span.name in STAGES]
     by_id = {span.attributes["messaging.message.conversation_id"]: span for span in finished
@@ -94,9 +82,9 @@ def test_the_callers_trace_goes_through_the_service_and_back_in_the_reply(broker
         assert own_stages[-1].end_time <= batch.end_time <= span.end_time
 
 
-def test_with_tracing_off_nothing_is_recorded_and_replies_carry_no_trace_context(broker, exporter):
-    provider, spans = exporter
+def test_with_tracing_off_nothing_is_recorded_and_replies_carry_no_trace_context(broker, spans):
+    provider, exporter = spans
     topics = broker.topics(requests=1, replies=1, dead=1)
     replies = serve(broker, topics, provider, requests(bad=-1))
-    assert spans.get_finished_spans() == ()
+    assert exporter.get_finished_spans() == ()
     assert not any(TRACEPARENT in headers_of(reply) for reply in replies.values())
