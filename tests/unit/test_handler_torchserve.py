@@ -88,6 +88,18 @@ def test_the_archives_settings_sit_below_every_layer_the_user_sets(tmp_path):
     assert load_config({"handler": "echo", "model": str(archive)}, environ={}).max_batch_size == 32
 
 
+def test_with_several_models_an_archives_settings_are_its_models_under_what_the_entry_sets(tmp_path):
+    archive = vector_archive(tmp_path, config=MICRO)
+    config = load_config({"max_batch_size": "16", "models": orjson.dumps([
+        {"name": "echo", "handler": "echo"},
+        {"name": "vectors", "handler": "torchserve", "model": str(archive), "micro_batch_size": 4},
+    ]).decode()}, environ={})
+    echo, vectors = config.model_configs()
+    assert (echo.max_batch_size, echo.micro_batch_size) == (16, None)  # the service's own
+    assert (vectors.max_batch_size, vectors.max_batch_delay_ms, vectors.micro_batch_size) == (24, 35, 4)
+    assert (vectors.parallelism.preprocess, vectors.parallelism.postprocess) == (3, 2)
+
+
 def test_a_file_that_is_not_an_archive_is_a_configuration_error(tmp_path):
     not_an_archive = tmp_path / "model.mar"
     not_an_archive.write_bytes(b"not a zip")
