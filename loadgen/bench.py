@@ -147,15 +147,16 @@ class Scenario:
 
 
 @contextmanager
-def serve_kinference(overrides: dict[str, Any], handler: str, bootstrap_servers: str, topics: Topics
-                     ) -> Iterator[Service]:
-    """A kinference contender (``functools.partial`` it with ``overrides`` and ``handler`` for ``contender``)."""
+def serve_kinference(overrides: dict[str, Any], handler: str, bootstrap_servers: str, topics: Topics,
+                     tracer_provider: Any = None) -> Iterator[Service]:
+    """A kinference contender (``functools.partial`` it with ``overrides`` and ``handler`` for ``contender``);
+    ``tracer_provider`` is ``Service``'s, for a contender with ``tracing`` on."""
     config = ServiceConfig(
         bootstrap_servers=bootstrap_servers, request_topics=[topics["requests"]],
         reply_topic=topics["replies"], dead_letter_topic=topics["dead"],
         group_id=f"bench-{topics['requests']}", handler=handler, kafka_consumer=_SERVE_KAFKA,
         metrics=False, shutdown_grace_s=5.0, **overrides)
-    with Service(config) as service:
+    with Service(config, tracer_provider=tracer_provider) as service:
         ready_or_fail(service.wait_ready(READY_TIMEOUT_S), config.group_id)
         yield service
 

@@ -10,6 +10,8 @@ Contenders, each in a child process of its own (``loadgen.contender``), on one e
 
 - ``relay``: the plain consume -> produce -> commit loop, with the same librdkafka settings;
 - ``kinference-echo``: kinference's defaults and the ``echo`` handler;
+- ``kinference-echo-traced`` (only when named in ``--contenders``): the same with ``--tracing`` on, every span
+  recorded by OpenTelemetry's SDK and none exported (a provider without exporters): what tracing itself costs;
 - ``kinference-sim``: the ``sim`` handler, a simulated GPU (``handlers/sim.py``: real tokenisation, inference
   waits ``fixed_ms + per_token_us x padded tokens`` with the GIL released), at the modelled speed of MiniLM on a
   current GPU, then slowed so that its capacity is each of ``--sim-capacities`` x the echo drain rate;
@@ -51,7 +53,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
-from kinference.consumer.service import resolve_device
+from kinference.consumer.service import Service, resolve_device
 from kinference.consumer.topics import create_topics
 from kinference.handlers import HandlerContext, load_handler
 from kinference.loadgen.baselines import CommittingRelay, LoopThread
@@ -98,6 +100,20 @@ class Drain:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+CONTENDERS = ("relay", "kinference-echo", "kinference-echo-traced", "kinference-sim", "kinference-embedding")
+"""Every contender ``--contenders`` may name; ``DrainOptions.contenders`` runs by default."""
+
+
+@contextlib.contextmanager
+def _serve_traced(overrides: dict[str, Any], handler: str, bootstrap_servers: str, topics: Topics
+                  ) -> Iterator[Service]:
+    from opentelemetry.sdk.trace import TracerProvider  # kinference[otel]
+
+    with serve_kinference({**overrides, "tracing": True}, handler, bootstrap_servers, topics,
+                          tracer_provider=TracerProvider()) as service:
+        yield service
+
+
 def _committing_relay(bootstrap_servers: str, topic: str) -> LoopThread:
     return CommittingRelay(bootstrap_servers, topic, COMMIT_INTERVAL_S, group_id=f"drain-{topic}")
 
@@ -142,6 +158,11 @@ class Run:
                 rows.append(self._drain(lambda topics: kinference_drain(
                     "kinference-echo", "kinference's defaults, echo handler", "echo", topics, options.requests)))
                 echo_rate = rows[-1]["msgs_per_s"]
+            if "kinference-echo-traced" in options.contenders:
+                rows.append(self._drain(lambda topics: Drain(
+                    "kinference-echo-traced", "kinference-echo with --tracing on, spans recorded, none exported",
+                    partial(_serve_traced, {"commit_interval_ms": int(COMMIT_INTERVAL_S * 1000)}, "echo"),
+                    f"bench-{topics['requests']}", options.requests)))
             if "kinference-sim" in options.contenders:
                 rows += self._sims(echo_rate)
             if "kinference-embedding" in options.contenders:
@@ -464,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run the slowed simulated GPUs with each of these inference thread counts "
                              "(default: 1,2)")
     parser.add_argument("--contenders", type=lambda text: tuple(text.split(",")), default=defaults.contenders,
-                        metavar="NAME,...", help=f"a subset of {', '.join(defaults.contenders)}")
+                        metavar="NAME,...",
+                        help=f"some of {', '.join(CONTENDERS)} (default: {','.join(defaults.contenders)})")
     parser.add_argument("--no-profile", action="store_true", help="no py-spy profile")
     parser.add_argument("--profiles", type=Path, metavar="DIR",
                         help="keep each contender's raw py-spy profile here (collapsed stacks, for flame graphs)")
@@ -476,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    unknown = set(args.contenders) - set(DrainOptions().contenders)
+    unknown = set(args.contenders) - set(CONTENDERS)
     if unknown:
         parser.error(f"unknown contender(s) {', '.join(sorted(unknown))}")
     options = DrainOptions(requests=20_000 if args.quick else args.requests,

@@ -29,3 +29,13 @@ def test_a_small_drain_of_every_contender(tmp_path):
     # py-spy needs ptrace rights; where it has them, the echo drain shows the poll thread at work.
     assert "us_per_msg" in profiled or "py-spy" in profiled.get("note", "")
     assert (tmp_path / "drain.md").read_text().count("\n| kinference-") == 4
+
+
+@pytest.mark.timeout(300)
+def test_the_traced_echo_contender_drains_with_tracing_on_when_named(tmp_path):
+    out = tmp_path / "drain.json"
+    assert drain.main(["--contenders", "kinference-echo-traced", "--requests", "1000", "--no-profile",
+                       "--out", str(out)]) == 0
+    (row,) = orjson.loads(out.read_bytes())["drains"]
+    assert row["contender"] == "kinference-echo-traced" and row["msgs_per_s"] > 0
+    assert "kinference-echo-traced" not in drain.DrainOptions().contenders  # opt in: not in a default run
