@@ -52,7 +52,8 @@ def check(replies: dict, dead: list, producer: Producer, topic: str) -> None:
     for i, text in enumerate(["kafka", "schema registry", "avro"]):
         message = replies[f"t{i}".encode()]
         reply = producer.reply(topic, message.value(), message.headers())
-        assert reply["status"] == "ok" and orjson.loads(reply["result"]) == {"text": text}
+        result = reply["result"] if producer.value_format == "jsonschema" else orjson.loads(reply["result"])
+        assert reply["status"] == "ok" and result == {"text": text}
         assert headers_of(message)[protocol.STATUS] == b"ok"
     malformed = replies[b"malformed"]
     reply = producer.reply(topic, malformed.value(), malformed.headers())
@@ -62,7 +63,8 @@ def check(replies: dict, dead: list, producer: Producer, topic: str) -> None:
     assert headers_of(dead[0])[protocol.ERROR_CODE] == b"bad_request"
 
 
-@pytest.mark.parametrize(("value_format", "schema_id_location"), [("avro", "prefix"), ("protobuf", "header")])
+@pytest.mark.parametrize(("value_format", "schema_id_location"), [("avro", "prefix"), ("protobuf", "header"),
+                                                                  ("jsonschema", "prefix")])
 def test_schema_registry_requests_get_replies_in_the_same_format(broker, monkeypatch, value_format,
                                                                  schema_id_location):
     topics = broker.topics(requests=2, replies=1, dead=1)
