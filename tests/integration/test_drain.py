@@ -21,8 +21,9 @@ def test_a_small_drain_of_every_contender(tmp_path):
     rows = {row["contender"]: row for row in report["drains"]}
     assert set(rows) == {"relay", "kinference-echo", "kinference-sim", "kinference-sim@1x-echo",
                          "kinference-embedding"}
-    for row in rows.values():
-        assert row["msgs_per_s"] > 0 and row["cpu_us_per_msg"] > 0
+    for name, row in rows.items():
+        # /proc counts CPU in clock ticks (10 ms): the relay's 2,000 messages take about one, so it may read 0.
+        assert row["msgs_per_s"] > 0 and (row["cpu_us_per_msg"] > 0 or name == "relay")
     assert 0 < rows["kinference-sim"]["device_busy"] <= 1 and rows["kinference-sim"]["extra"]["device_capacity_per_s"]
     assert report["embedding_ceiling"]["best_items_per_s"] > 0 and len(report["targets"]) == 3
     profiled = rows["kinference-echo"]["profile"]
