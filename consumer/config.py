@@ -69,36 +69,6 @@ class Parallelism(BaseModel):
     postprocess: int = Field(1, ge=1, le=64)
 
 
-class ModelSpec(BaseModel):
-    """One of several models served by one process (``models``). Each has its own handler, batcher and stage
-    threads; every batching field left out (null) is the service's own (``--max-batch-size``...)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str = Field(min_length=1, pattern=r"^[^\s,]+$")
-    version: str | None = Field(None, min_length=1)
-    handler: str = "embedding"
-    model: Path | None = None
-    handler_options: dict[str, Any] = {}
-    request_topics: list[str] = []
-    """Request topics whose records this model serves unless a record names another (``kinference-model``)."""
-    batch_policy: Literal["adaptive", "greedy", "static"] | None = None
-    max_batch_size: int | None = Field(None, ge=1, le=4096)
-    max_batch_tokens: int | None = Field(None, ge=0)
-    max_batch_delay_ms: float | None = Field(None, ge=0, le=60_000)
-    target_latency_ms: float | None = Field(None, gt=0, le=600_000)
-    max_batch_bytes: int | None = Field(None, ge=1)
-    micro_batch_size: int | None = Field(None, ge=1)
-    parallelism: Parallelism | None = None
-
-    _split = field_validator("request_topics", mode="before")(lambda value: _split_csv(value))
-    _pairs = field_validator("handler_options", mode="before")(lambda value: _key_values(value))
-
-
-_MODEL_FIELDS = ("handler", "model", "handler_options", "model_name", "model_version")
-"""The service's single-model fields: with ``models`` each model sets its own."""
-
-
 def _split_csv(value: Any) -> Any:
     if isinstance(value, str):
         return [item.strip() for item in value.split(",") if item.strip()]
@@ -128,6 +98,36 @@ def _key_values(value: Any) -> Any:
             pairs[key.strip()] = raw.strip()
         return pairs
     return value
+
+
+class ModelSpec(BaseModel):
+    """One of several models served by one process (``models``). Each has its own handler, batcher and stage
+    threads; every batching field left out (null) is the service's own (``--max-batch-size``...)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, pattern=r"^[^\s,]+$")
+    version: str | None = Field(None, min_length=1)
+    handler: str = "embedding"
+    model: Path | None = None
+    handler_options: dict[str, Any] = {}
+    request_topics: list[str] = []
+    """Request topics whose records this model serves unless a record names another (``kinference-model``)."""
+    batch_policy: Literal["adaptive", "greedy", "static"] | None = None
+    max_batch_size: int | None = Field(None, ge=1, le=4096)
+    max_batch_tokens: int | None = Field(None, ge=0)
+    max_batch_delay_ms: float | None = Field(None, ge=0, le=60_000)
+    target_latency_ms: float | None = Field(None, gt=0, le=600_000)
+    max_batch_bytes: int | None = Field(None, ge=1)
+    micro_batch_size: int | None = Field(None, ge=1)
+    parallelism: Parallelism | None = None
+
+    _split = field_validator("request_topics", mode="before")(_split_csv)
+    _pairs = field_validator("handler_options", mode="before")(_key_values)
+
+
+_MODEL_FIELDS = ("handler", "model", "handler_options", "model_name", "model_version")
+"""The service's single-model fields: with ``models`` each model sets its own."""
 
 
 Csv = Annotated[list[str], Field(min_length=1)]
@@ -475,9 +475,8 @@ class ServiceConfig(BaseModel):
 
     def for_model(self, spec: ModelSpec) -> ServiceConfig:
         """The settings one model is served with: the service's, with the model's own fields in place."""
+        # max_batch_tokens 0 stays 0 here: the derived config's own validator turns it into "no budget".
         own = spec.model_dump(exclude={"name", "version", "request_topics"}, exclude_none=True)
-        if "max_batch_tokens" in own and own["max_batch_tokens"] == 0:
-            own["max_batch_tokens"] = None  # 0 turns the token budget off, as on the command line
         values = {name: getattr(self, name) for name in type(self).model_fields}
         try:  # a TorchServe archive's own batch settings come before the model's, as for a single model
             archive = _model_settings({"handler": spec.handler, "model": spec.model,

@@ -55,10 +55,6 @@ class Router:
         self.default = next(iter(self._routes.values()))
         self._by_topic = {topic: self._routes[name] for topic, name in (topics or {}).items()}
 
-    @property
-    def names(self) -> list[str]:
-        return list(self._routes)
-
     def route(self, topic: str, headers: list[tuple[str, bytes | None]]) -> ModelRoute:
         """The record's model; ``RequestError`` (``model_not_found``, or ``bad_request`` for a header that is not
         UTF-8) when its headers name one this process does not serve."""
