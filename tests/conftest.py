@@ -1,7 +1,11 @@
-"""Shared fixtures: one real broker per test session, unique topic and group names per test.
+"""Shared fixtures: one real broker per test session (per pytest-xdist worker), unique topic and group names per test.
 
-The broker is the embedded Tansu broker by default. With ``KINFERENCE_TEST_BROKER=kafka`` (and a Docker
-engine) the same tests run against Apache Kafka started by testcontainers.
+``KINFERENCE_TEST_BROKER`` picks the broker:
+- ``tansu`` (default): the embedded Tansu broker, pip-only.
+- ``kafka``: Apache Kafka 4.x in KRaft mode, from Maven Central (``kinference.consumer.apache_kafka``): needs a
+  JDK 17+ and Maven, else the tests that need a broker skip and say why.
+- ``kafka-docker``: Apache Kafka in the image that deploy/docker-compose.yml runs, started by testcontainers
+  (needs a Docker engine).
 """
 
 from __future__ import annotations
@@ -21,13 +25,18 @@ from confluent_kafka.admin import AdminClient
 
 from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker, free_port
 from kinference.consumer.topics import create_topics
+from kinference.errors import BrokerError
 
-# Consumer settings that keep tests fast on any broker: Tansu holds a group join for ~session.timeout.ms / 2,
-# and answers a fetch only after fetch.wait.max.ms (consumer.broker.LOW_LATENCY_CONSUMER).
+BROKER_KIND = os.environ.get("KINFERENCE_TEST_BROKER", "tansu")
+
+# Consumer settings that keep tests fast: a dead member is noticed in 6 s (Tansu also holds a group join for
+# ~session.timeout.ms / 2), and on Tansu a fetch is answered only after fetch.wait.max.ms
+# (consumer.broker.LOW_LATENCY_CONSUMER). Apache Kafka wakes a waiting fetch: there librdkafka's default is kept.
+FETCH_PROPERTIES = LOW_LATENCY_CONSUMER if BROKER_KIND == "tansu" else {}
 TEST_CONSUMER_PROPERTIES = {
     "session.timeout.ms": "6000",
     "heartbeat.interval.ms": "2000",
-    **LOW_LATENCY_CONSUMER,
+    **FETCH_PROPERTIES,
 }
 
 
@@ -43,21 +52,46 @@ class TestBroker:
         return names
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fault tests first, then integration, then unit tests: pytest-xdist hands tests out in this order, so the
+    minute-long fault tests start at once instead of ending the run alone. Tests that start a Tansu broker of
+    their own (``embedded_broker``) skip when the suite runs on another broker."""
+    def rank(item: pytest.Item) -> int:
+        return 0 if item.get_closest_marker("faults") else 1 if item.get_closest_marker("integration") else 2
+
+    items.sort(key=rank)
+    if BROKER_KIND != "tansu":
+        skip = pytest.mark.skip(reason="starts a Tansu broker of its own; the suite runs on "
+                                       f"KINFERENCE_TEST_BROKER={BROKER_KIND}")
+        for item in items:
+            if item.get_closest_marker("embedded_broker"):
+                item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def broker() -> Iterator[TestBroker]:
-    kind = os.environ.get("KINFERENCE_TEST_BROKER", "tansu")
-    if kind == "kafka":
-        with apache_kafka() as bootstrap_servers:
+    if BROKER_KIND == "kafka":
+        from kinference.consumer.apache_kafka import ApacheKafkaBroker, broker_jars
+
+        try:
+            broker_jars()
+        except BrokerError as exc:
+            pytest.skip(f"KINFERENCE_TEST_BROKER=kafka: {exc}")
+        with ApacheKafkaBroker() as kafka:
+            yield TestBroker(kafka.bootstrap_servers, "kafka")
+    elif BROKER_KIND == "kafka-docker":
+        with apache_kafka_container() as bootstrap_servers:
             yield TestBroker(bootstrap_servers, "kafka")
-    elif kind == "tansu":
+    elif BROKER_KIND == "tansu":
         with EmbeddedBroker() as tansu:
             yield TestBroker(tansu.bootstrap_servers, "tansu")
     else:
-        raise pytest.UsageError(f"KINFERENCE_TEST_BROKER must be 'tansu' or 'kafka', not {kind!r}")
+        raise pytest.UsageError("KINFERENCE_TEST_BROKER must be 'tansu', 'kafka' or 'kafka-docker', "
+                                f"not {BROKER_KIND!r}")
 
 
 @contextmanager
-def apache_kafka(start_timeout_s: float = 120.0) -> Iterator[str]:
+def apache_kafka_container(start_timeout_s: float = 120.0) -> Iterator[str]:
     """One Apache Kafka broker in KRaft mode, the image that deploy/docker-compose.yml runs, on a free host port.
 
     The port is bound before the start so that the broker can advertise it (clients connect to what the

@@ -39,11 +39,10 @@ import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, TopicPartition
 
 from kinference import protocol
-from kinference.consumer.broker import LOW_LATENCY_CONSUMER
 from kinference.loadgen.client import Client
 from kinference.loadgen.errors import RequestTimeout
 from kinference.loadgen.reply import Reply
-from tests.conftest import TEST_CONSUMER_PROPERTIES
+from tests.conftest import FETCH_PROPERTIES, TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, headers_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,7 +114,7 @@ class Settings:
             # Tests wait up to 30 s for a SIGTERMed member: its own deadline must end well before (a test's
             # extra arguments come last and win).
             "--shutdown-grace-s", "10",
-            *[arg for key, value in LOW_LATENCY_CONSUMER.items() for arg in ("--kafka-consumer", f"{key}={value}")],
+            *[arg for key, value in FETCH_PROPERTIES.items() for arg in ("--kafka-consumer", f"{key}={value}")],
         ]
         if self.group_protocol == "classic":
             args += ["--kafka-consumer", f"session.timeout.ms={self.session_timeout_ms}",
@@ -369,7 +368,7 @@ def client_for(settings: Settings) -> AuditedClient:
     """A client on reply partition 0 with a timeout well past any recovery in these tests (a
     SIGKILLed member's partitions wait ~6 s for its session to expire, then ~3 s for the join)."""
     return AuditedClient(settings.bootstrap, settings.topics["requests"], settings.topics["replies"],
-                         reply_partition=0, timeout_s=45.0, max_pending=20_000, reply_consumer=LOW_LATENCY_CONSUMER)
+                         reply_partition=0, timeout_s=45.0, max_pending=20_000, reply_consumer=FETCH_PROPERTIES)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from kinference.consumer.topics import create_topics
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, headers_of, produce, read
 
-pytestmark = [pytest.mark.integration, pytest.mark.faults]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.embedded_broker]
 
 TOPICS = {"requests": 3, "replies": 1, "dead": 1}
 

@@ -1,6 +1,6 @@
 """Exactly-once across SIGKILLs: a read_committed reader sees each request's reply exactly once.
 
-Needs Apache Kafka (``KINFERENCE_TEST_BROKER=kafka``, Docker): Tansu's read_committed does not hide
+Needs Apache Kafka (``KINFERENCE_TEST_BROKER=kafka``; CI runs it there): Tansu's read_committed does not hide
 aborted transactions, so on Tansu the replies of a killed member's open transaction stay visible.
 """
 
@@ -27,7 +27,7 @@ RATE_RPS = 300
 def test_sigkill_in_exactly_once_mode_leaves_no_duplicate_committed_reply(broker, unique_id):
     if broker.kind != "kafka":
         pytest.skip("Tansu's read_committed shows aborted transactions: run with KINFERENCE_TEST_BROKER=kafka "
-                    "(Apache Kafka via testcontainers, needs Docker)")
+                    "(Apache Kafka from Maven Central; needs a JDK 17+ and Maven)")
     topics = broker.topics(requests=3, replies=1, dead=1)
     group = f"eos-crash-{unique_id}"
     args = ["--bootstrap-servers", broker.bootstrap_servers, "--request-topics", topics["requests"],

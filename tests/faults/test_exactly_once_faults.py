@@ -79,6 +79,7 @@ def test_revoke_and_reassign_with_requests_in_flight_commits_each_reply_once(bro
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.embedded_broker
 def test_a_transaction_call_that_times_out_is_repeated_not_aborted(caplog):
     """The broker is stopped (SIGSTOP) for 4 s while transactions commit, with a 1.5 s limit on each
     transactional call: ``commit_transaction`` (or ``send_offsets_to_transaction``) fails with a retriable

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.slow]
 
 CAPACITY_RPS = 200  # SlowEcho: 20 ms per batch of at most 4
 RATE_RPS = 3 * CAPACITY_RPS
-LOAD_S = 60
+LOAD_S = 30  # long enough for the backlog to reach every bound below; catching up takes another minute
 MEMORY_BOUND_MB = 150  # docs/guarantees.md: growth of resident memory under overload
 
 
@@ -34,7 +34,7 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def test_three_times_capacity_for_a_minute(broker, unique_id):
+def test_three_times_capacity_for_half_a_minute(broker, unique_id):
     topics = broker.topics(requests=3, replies=1, dead=1)
     group = f"overload-{unique_id}"
     serve = ServeProcess([

@@ -11,10 +11,10 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
-from kinference.consumer.broker import LOW_LATENCY_CONSUMER
 from kinference.consumer.service import Service
 from kinference.handlers.echo import EchoHandler
 from kinference.loadgen import Client, ClientError, ReplyError, RequestTimeout
+from tests.conftest import FETCH_PROPERTIES
 from tests.integration.kafka_io import service_config
 
 pytestmark = pytest.mark.integration
@@ -43,7 +43,7 @@ def served(broker):
 def client(served, topic: str = "requests", reply_topic: str | None = None, **options: Any) -> Client:
     bootstrap, topics = served
     return Client(bootstrap, topics[topic], reply_topic or topics["replies"],
-                  **{"timeout_s": 10.0, "reply_consumer": LOW_LATENCY_CONSUMER, **options})
+                  **{"timeout_s": 10.0, "reply_consumer": FETCH_PROPERTIES, **options})
 
 
 def test_requests_from_many_threads_get_their_own_replies(served):

@@ -22,7 +22,7 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from kinference import protocol
 from kinference.consumer.broker import free_port
 from kinference.consumer.service import Service
-from tests.conftest import apache_kafka
+from tests.conftest import apache_kafka_container
 from tests.integration.kafka_io import headers_of, produce, read, service_config
 from tests.schemas import Producer
 
@@ -123,7 +123,7 @@ def test_a_real_schema_registry():
         pytest.skip(f"needs a Docker engine to run Confluent's Schema Registry ({SCHEMA_REGISTRY_IMAGE}): {reason}")
     from kinference.consumer.topics import create_topics
 
-    with apache_kafka() as bootstrap, schema_registry(bootstrap) as url:
+    with apache_kafka_container() as bootstrap, schema_registry(bootstrap) as url:
         topics = {role: f"{role}-{uuid.uuid4().hex[:10]}" for role in ("requests", "replies", "dead")}
         create_topics(bootstrap, dict.fromkeys(topics.values(), 1))
         registry = SchemaRegistryClient({"url": url})
