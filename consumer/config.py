@@ -253,6 +253,13 @@ class ServiceConfig(BaseModel):
         description="at-least-once: replies, then offsets; exactly-once: replies and offsets in one "
         "transaction (clients read replies with isolation.level=read_committed).",
     )
+    group_type: Literal["consumer", "share"] = Field(
+        "consumer",
+        description="consumer: a consumer group, partitions assigned to members, offsets committed; share: a "
+        "KIP-932 share group (Apache Kafka 4.2+), members share partitions and acknowledge each record (accepted "
+        "once answered, rejected with a dead letter, released for redelivery when left unanswered). "
+        "at-least-once only.",
+    )
     transaction_call_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="exactly-once: how long one call of the transactional API (send "
         "offsets, commit, abort) may take; one that times out is made again, as librdkafka prescribes.",
@@ -436,6 +443,10 @@ class ServiceConfig(BaseModel):
             if not re.fullmatch(r"\d+(\.\d*)?", self.schema_registry[key].get_secret_value()):
                 raise ValueError(f"schema_registry {key} must be a number")
         self._check_models()
+        if self.group_type == "share" and self.delivery == "exactly-once":
+            raise ValueError("exactly-once commits offsets in the reply transaction, and a share group has no offsets "
+                             "to commit (KIP-932 acknowledges records one by one, outside any transaction): use "
+                             "--group-type share with --delivery at-least-once, or a consumer group for exactly-once")
         for option in ("kafka", "kafka_consumer", "kafka_producer"):
             for key in getattr(self, option):
                 if key in _OWNED_PROPERTIES:
@@ -554,6 +565,25 @@ class ServiceConfig(BaseModel):
             **(_CLASSIC_ASSIGNOR if classic else {}),
             **given,
         }
+
+    def share_consumer_config(self) -> dict[str, str]:
+        """The librdkafka share consumer dict (``group_type=share``): explicit acknowledgement, then the user's
+        pass-through properties. The consumer group's defaults do not apply: a share consumer refuses them."""
+        given = self._passthrough(self.kafka, self.kafka_consumer)
+        given.pop("auto.offset.reset", None)  # a share group's start is a group config: share_auto_offset_reset
+        return {
+            "bootstrap.servers": self.bootstrap_servers,
+            "group.id": self.group_id,
+            "share.acknowledgement.mode": "explicit",
+            "statistics.interval.ms": _CONSUMER_DEFAULTS["statistics.interval.ms"],
+            **given,
+        }
+
+    @property
+    def share_auto_offset_reset(self) -> str:
+        """Where a new share group starts reading: the consumer's ``auto.offset.reset`` (kinference's default:
+        earliest), which the service sets as the group's ``share.auto.offset.reset`` (Kafka's default: latest)."""
+        return self.consumer_config()["auto.offset.reset"]
 
     def producer_config(self) -> dict[str, str]:
         """The librdkafka producer dict: kinference's defaults, then the user's pass-through properties."""

@@ -57,6 +57,10 @@ class Metrics:
         self.commits = Counter("kinference_commits", "Offset commits that succeeded.", registry=r)
         self.commit_failures = Counter("kinference_commit_failures", "Offset commits that failed (retried "
                                        "at the next commit).", registry=r)
+        self.share_acknowledgements = Counter("kinference_share_acknowledgements", "Records a share group member "
+                                              "acknowledged, by kind: accept (answered), reject (error reply and "
+                                              "dead letter), release (left unanswered: delivered again).",
+                                              ["kind"], registry=r)
         self.replies = Counter("kinference_replies", "Replies acknowledged by the broker, by reply status.",
                                ["status"], registry=r)
         self.delivery_failures = Counter("kinference_delivery_failures", "Replies or dead letters the broker "

@@ -33,12 +33,14 @@ from kinference.consumer.batcher import Batcher
 from kinference.consumer.commit import ConsumerCommitter, OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.endpoints import Endpoints
+from kinference.consumer.intake import Intake
 from kinference.consumer.lag import LagMonitor
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.oip import ServedModel as OipModel
 from kinference.consumer.publisher import Publisher
 from kinference.consumer.request import Request, RequestDecoder
 from kinference.consumer.router import ModelRoute, Router
+from kinference.consumer.share import ShareLedger, ShareSource
 from kinference.consumer.source import Committer, Source
 from kinference.consumer.stages import Pipeline
 from kinference.consumer.transactions import MemberSlot, TransactionalPublisher
@@ -101,7 +103,8 @@ class Service:
                        for settings in config.model_configs()]
         """The served models, the default (first) one first."""
         self._by_name: dict[str, LoadedModel] = {}
-        self.tracker = OffsetTracker()
+        self.tracker: OffsetTracker | ShareLedger = ShareLedger() if config.group_type == "share" else OffsetTracker()
+        """Every consumed record until it is answered: the commit ledger, or a share group's acknowledgements."""
         self.metrics = Metrics()
         self.metrics.ready.set_function(lambda: float(all(self.readiness_checks().values())))
         self.metrics.healthy.set_function(lambda: float(self.healthy))
@@ -111,7 +114,7 @@ class Service:
         self._stopped = threading.Event()
         self._slot: MemberSlot | None = None
         self.publisher: Publisher | TransactionalPublisher | None = None
-        self.source: Source | None = None
+        self.source: Source | ShareSource | None = None
         self.lag: LagMonitor | None = None
 
     def start(self) -> Service:
@@ -159,7 +162,8 @@ class Service:
         self._model_ready = True
         self.publisher.start()  # type: ignore[union-attr]
         self.source.start()  # type: ignore[union-attr]
-        self.lag.start()  # type: ignore[union-attr]
+        if self.lag is not None:
+            self.lag.start()
         self._started = True
         log.info("serving %s -> %s (group %s, models %s, %s, %s rebalancing)",
                  ",".join(config.request_topics), config.reply_topic, config.group_id,
@@ -204,13 +208,16 @@ class Service:
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=schemas,
                                  router=router)
-        publisher = self.publisher
-        self.source = Source(config, decoder, self.tracker, self._admit, self._route, self._reply_now, self._discard,
-                             committer, in_flight=lambda: self.tracker.in_flight + publisher.held,
-                             metrics=self.metrics, tracing=self.tracing)
+        intake = Intake(decoder, self.tracker, self._admit, self._route, self._reply_now, self.tracing)
+        if isinstance(self.tracker, ShareLedger):  # a share group has no offsets: no lag to measure
+            self.source = ShareSource(config, intake, self.tracker, self.metrics)
+            return
+        publisher, tracker = self.publisher, self.tracker
+        self.source = source = Source(config, intake, tracker, self._discard, committer,
+                                      in_flight=lambda: tracker.in_flight + publisher.held, metrics=self.metrics)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
-                              config.group_id, lambda: self.source.rebalance.partitions,  # type: ignore[union-attr]
-                              self.metrics, config.lag_interval_s)
+                              config.group_id, lambda: source.rebalance.partitions, self.metrics,
+                              config.lag_interval_s)
 
     def _build_model(self, model: LoadedModel, publisher: Publisher) -> None:
         """The model's route, batcher and stage threads (not started)."""
@@ -294,7 +301,7 @@ class Service:
 
     def wait_ready(self, timeout_s: float) -> bool:
         """True once the consumer is in the group (handler loaded, threads running)."""
-        return self.source is not None and self.source.rebalance.joined.wait(timeout_s)
+        return self.source is not None and self.source.joined.wait(timeout_s)
 
     def health_checks(self) -> dict[str, bool]:
         """What ``/healthz`` reports: every thread alive and nothing fatal (before start: only that the process
@@ -314,7 +321,7 @@ class Service:
         source = self.source
         return {
             "model_loaded": self._model_ready,
-            "group_joined": source is not None and source.rebalance.joined.is_set(),
+            "group_joined": source is not None and source.joined.is_set(),
             "broker_reachable": source is not None and source.broker_up,
             "healthy": self.healthy,
         }
@@ -341,8 +348,8 @@ class Service:
         grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace_s
         reserve_s = min(_CLOSE_RESERVE_S, grace_s / 3)
-        source, publisher, lag = self.source, self.publisher, self.lag
-        if source is None or publisher is None or lag is None:
+        source, publisher = self.source, self.publisher
+        if source is None or publisher is None:
             return  # unreachable once started; spelled out for the type checker
         source.drain(min(_PAUSE_WAIT_S, grace_s / 10))
         # With the publisher gone, in-flight work can never be answered: waiting for it only delays the restart.
@@ -359,7 +366,8 @@ class Service:
                    for model in self.models]
         publisher.stop(max(0.0, deadline - reserve_s / 2 - time.monotonic()))
         source.close(deadline)
-        lag.stop()
+        if self.lag is not None:
+            self.lag.stop()
         if self.tracing is not None:  # every span that will end has ended: the publisher has stopped
             self.tracing.close(max(0.0, deadline - time.monotonic()))
         for model, stages_stopped in zip(self.models, stopped, strict=True):

@@ -3,10 +3,11 @@
 It alone calls the consumer (a librdkafka consumer is not to be shared across threads). Each turn of its loop:
 
 1. fetch what is ready (``_fetch``);
-2. take in the records (``_intake``): track each with the commit tracker before anything that can fail, decode
+2. take in the records (``intake``): track each with the commit tracker before anything that can fail, decode
    it (a record that cannot be read becomes a dead letter, never an exception), admit the poll's requests
    together (``admission``: the handler validates and prices them, one call for all), and route each on;
-   whatever a record does, the loop goes on with the next one;
+   whatever a record does, the loop goes on with the next one; then check that the consumer handed over
+   every record it passed;
 3. commit what is answered (``commit.ConsumerCommitter``, or nothing here in exactly-once, where offsets go
    into transactions);
 4. pause or resume the partitions for flow control (``flow``).
@@ -14,6 +15,8 @@ It alone calls the consumer (a librdkafka consumer is not to be shared across th
 Rebalances run inside ``consume()`` (``rebalance``). Because this thread never runs the model, a slow model
 can never make the consumer miss ``max.poll.interval.ms``. A fatal consumer error (for example
 ``FENCED_INSTANCE_ID`` with static membership) ends the loop: ``fatal`` is set and the service exits non-zero.
+
+A share group (``group_type=share``) has a source of its own: ``share.ShareSource``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -30,15 +33,10 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from kinference.consumer.commit import OffsetTracker, PartitionKey
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.flow import FlowControl
-from kinference.consumer.logs import about
+from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.rebalance import Rebalance
-from kinference.consumer.request import Request, RequestDecoder
-from kinference.errors import RequestError
-from kinference.protocol import ErrorCode
-
-if TYPE_CHECKING:
-    from kinference.consumer.tracing import Tracing
+from kinference.consumer.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -58,31 +56,22 @@ class Source:
     def __init__(
         self,
         config: ServiceConfig,
-        decoder: RequestDecoder,
+        intake: Intake,
         tracker: OffsetTracker,
-        admit: Callable[[list[Request]], None],
-        route: Callable[[Request], None],
-        reject: Callable[[Request], None],
         discard: Callable[[list[PartitionKey]], list[Request]],
         committer: Committer,
         in_flight: Callable[[], int],
         metrics: Metrics,
         consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
-        tracing: Tracing | None = None,
     ) -> None:
-        """``admit`` validates and prices the readable requests of one poll and never raises; ``route`` takes each
-        request on (to the batcher, or to an error reply); ``reject`` answers a request at once (an error reply);
-        ``discard`` removes the not-yet-started requests of partitions being revoked (the batcher's waiting room);
-        ``in_flight`` is what flow control bounds; ``tracing``, when on, starts each request's span."""
+        """``intake`` takes each poll's records in (tracked by ``tracker``); ``discard`` removes the not-yet-started
+        requests of partitions being revoked (the batcher's waiting room); ``in_flight`` is what flow control
+        bounds."""
         self._config = config
-        self._decoder = decoder
+        self._intake = intake
         self._tracker = tracker
-        self._admit = admit
-        self._route = route
-        self._reject = reject
         self._committer = committer
         self._in_flight = in_flight
-        self._tracing = tracing
         self._fatal_errors = metrics.fatal_errors.labels("consumer")
         self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics)
         self.rebalance = Rebalance(tracker, self._flow, discard, committer.commit, metrics,
@@ -127,6 +116,11 @@ class Source:
     def paused(self) -> bool:
         return self._flow.paused
 
+    @property
+    def joined(self) -> threading.Event:
+        """Set once the member is in the group (its first assignment, even of no partitions)."""
+        return self.rebalance.joined
+
     def group_metadata(self) -> Any:
         return self.rebalance.group_metadata
 
@@ -150,8 +144,7 @@ class Source:
             log.info("consumer closed")
 
     def _poll_once(self) -> None:
-        records = self._fetch()
-        self._intake(records)
+        self._take_in(self._fetch())
         self._committer.maybe_commit(self._consumer, time.monotonic())
         self._flow.update(self._consumer, self._in_flight())
         if self._flow.draining and self._flow.paused:
@@ -170,45 +163,10 @@ class Source:
             return []
         return [first, *self._consumer.consume(limit - 1, 0)] if limit > 1 else [first]
 
-    def _intake(self, records: list[Any]) -> None:
-        received = time.monotonic()
-        next_offsets: dict[PartitionKey, int] = {}
-        requests = []
-        for record in records:
-            error = record.error()
-            if error is not None:
-                self._on_record_error(error)
-                continue
-            key, offset = (record.topic(), record.partition()), record.offset()
-            ledger = self._tracker.track(key, offset)
-            if ledger is None:
-                log.debug("dropped %s[%d] offset %d: partition not owned, or already consumed", *key, offset)
-                continue
-            next_offsets[key] = offset + 1
-            request = self._decoder.decode(record, received)  # never raises: a bad record is a request with an error
-            request.ledger = ledger
-            requests.append(request)
-        if self._tracing is not None:
-            self._tracing.received(requests)
+    def _take_in(self, records: list[Any]) -> None:
+        next_offsets = self._intake.take(records, self._on_record_error)
         if next_offsets:
             self._check_positions(next_offsets)
-        self._admit([request for request in requests if request.ok])
-        for request in requests:
-            self._take(request)
-
-    def _take(self, request: Request) -> None:
-        """Route one tracked request. Nothing it does may leave the loop: the requests after it in this poll must
-        still be routed."""
-        try:
-            self._route(request)
-        except Exception as exc:  # a bug: the record is tracked, so it must still be answered
-            log.exception("routing a request failed; it gets an internal_error reply", extra=about(request))
-            request.fail(RequestError(f"kinference could not route the request: {exc!r}", ErrorCode.INTERNAL_ERROR))
-            try:
-                self._reject(request)
-            except Exception:
-                log.critical("the request cannot be answered; it stays in flight and its partition is not "
-                             "committed past it", exc_info=True, extra=about(request))
 
     def _check_positions(self, next_offsets: dict[PartitionKey, int]) -> None:
         """Every record the consumer handed over was tracked: its position is right after the last one."""

@@ -322,6 +322,7 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     ("poll: batcher put", "consumer/batcher.py", frozenset({"put"})),
     ("poll: consume", "consumer/source.py", frozenset({"_fetch"})),
     ("poll: other", "consumer/source.py", None),
+    ("poll: other", "consumer/intake.py", None),
     ("commit", "consumer/commit.py", None),
     ("batcher", "consumer/batcher.py", None),
     ("preprocess", "consumer/stages.py", frozenset({"_preprocess"})),

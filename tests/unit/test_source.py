@@ -11,6 +11,7 @@ from confluent_kafka import KafkaError, TopicPartition
 from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.flow import FlowControl
+from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import RequestDecoder
 from kinference.consumer.source import Source
@@ -97,9 +98,9 @@ def make_source(metrics: Metrics | None = None, **overrides: Any):
         routed.append(request)
 
     admitted: list = []
-    source = Source(config, RequestDecoder("replies", 1000), tracker, admitted.extend, route, rejected.append,
-                    lambda keys: [], Committer(), in_flight=lambda: tracker.in_flight, metrics=metrics or Metrics(),
-                    consumer_factory=FakeConsumer)
+    intake = Intake(RequestDecoder("replies", 1000), tracker, admitted.extend, route, rejected.append)
+    source = Source(config, intake, tracker, lambda keys: [], Committer(), in_flight=lambda: tracker.in_flight,
+                    metrics=metrics or Metrics(), consumer_factory=FakeConsumer)
     return source, source._consumer, tracker, routed, rejected
 
 
@@ -126,7 +127,7 @@ def test_every_record_of_a_batch_is_tracked_and_answered_whatever_one_of_them_do
     batch = [Record(b'"a"', offset=0), Broken(b'"b"', offset=1), Record(b'"explode"', offset=2),
              Record(b'"c"', offset=3)]
     consumer.positions[("requests", 0)] = 4
-    source._intake(batch)
+    source._take_in(batch)
     assert [r.offset for r in routed] == [0, 1, 3]  # the broken record is routed as a failed request
     assert routed[1].unroutable and routed[1].dead_letter
     assert [(r.offset, r.error.code) for r in rejected] == [(2, "internal_error")]
@@ -137,7 +138,7 @@ def test_a_record_the_consumer_passed_without_the_tracker_is_a_gap():
     source, consumer, tracker, routed, _ = make_source()
     source.rebalance.on_assign(consumer, [tp(0)])
     consumer.positions[("requests", 0)] = 5  # the consumer moved past offsets 1..4, never handed over
-    source._intake([Record(b'"a"', offset=0)])
+    source._take_in([Record(b'"a"', offset=0)])
     tracker.finish([routed[0]])
     ledger = routed[0].ledger
     assert ledger.gap == 1 and tracker.commit_offsets()[0].offset == 1
