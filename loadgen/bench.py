@@ -1,4 +1,4 @@
-"""``kinference bench``: every contender in one run, on the same embedded broker, model and corpus.
+"""``kinference bench``: every contender in one run, on the same local broker, model and corpus.
 
 The scenarios (``SCENARIOS``; docs/benchmarks.md says what each one is):
 
@@ -46,7 +46,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
+from kinference.consumer.broker import BROKER_KINDS, LOW_LATENCY_CONSUMER, local_broker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.service import Service, resolve_device
 from kinference.consumer.topics import create_topics
@@ -213,9 +213,12 @@ class BenchOptions:
     seed: int = 0
     progress: bool = True
     command: str = "kinference bench"
+    broker: str = "tansu"
+    """The local broker of the Kafka scenarios: ``tansu`` (embedded) or ``kafka`` (Apache Kafka)."""
 
     def settings(self) -> dict[str, Any]:
-        return {"concurrency": list(self.concurrency), "corpora": list(self.corpora), "duration_s": self.duration_s,
+        return {"broker": self.broker, "concurrency": list(self.concurrency), "corpora": list(self.corpora),
+                "duration_s": self.duration_s,
                 "warmup_s": self.warmup_s, "timeout_s": self.timeout_s, "seed": self.seed,
                 "ceiling_batch_sizes": list(self.ceiling_batch_sizes), "default_setting": default_setting(),
                 "scenarios": [s.name for s in self.scenarios]}
@@ -228,6 +231,7 @@ class Bench:
     options: BenchOptions
     console: Console
     bootstrap_servers: str = ""
+    broker_description: str = ""
     began: float = field(default_factory=time.monotonic)
 
     def run(self) -> dict[str, Any]:
@@ -243,6 +247,7 @@ class Bench:
             "settings": options.settings(),
             "scenarios": [{"name": s.name, "kind": s.kind, "about": s.about} for s in options.scenarios],
             "ceilings": ceilings, "runs": runs,
+            "broker": {"kind": options.broker, "description": self.broker_description},
         }
         report["targets"] = evaluate_targets(report)
         return report
@@ -274,9 +279,10 @@ class Bench:
         if not chosen:
             return []
         rows: list[dict[str, Any]] = []
-        self._step("starting the embedded broker")
-        with EmbeddedBroker() as broker:
+        self._step(f"starting the broker ({self.options.broker})")
+        with local_broker(self.options.broker) as broker:
             self.bootstrap_servers = broker.bootstrap_servers
+            self.broker_description = broker.description
             for scenario in chosen:
                 rows += self._measure(scenario, payloads)
         return rows
@@ -467,6 +473,8 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
+    if report.get("broker", {}).get("description"):
+        console.print(f"broker: {report['broker']['description']}")
     print_tables(tables(report), console)
     console.print(f"wall time {report['wall_s']:.0f} s; load average before / after "
                   f"{report['machine']['loadavg_start']} / {report['machine']['loadavg_end']}")
@@ -493,8 +501,10 @@ def markdown(report: dict[str, Any]) -> str:
 def tables_markdown(report: dict[str, Any], titled: list[tuple[str, list[str], list[list[str]]]]) -> str:
     """A run's header line (command, machine, wall time, load) and its (title, header, rows) tables in Markdown."""
     machine = report["machine"]
+    broker = report.get("broker", {}).get("description")
     lines = [f"`{report['command']}`, {report['started']}, {machine['cpus']} CPUs ({machine['cpu']}), "
-             f"torch {machine['torch']}, wall time {report['wall_s']:.0f} s, load average "
+             f"torch {machine['torch']}, {f'broker {broker}, ' if broker else ''}wall time {report['wall_s']:.0f} s, "
+             "load average "
              f"{machine['loadavg_start']} before / {machine['loadavg_end']} after.", ""]
     for title, header, rows in titled:
         lines += [f"**{title}**", "", "| " + " | ".join(header) + " |",
@@ -573,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kinference bench",
         # Raw: the scenario list below is a table; textwrap would also split names at their hyphens.
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run every scenario (ceilings, user-style baselines, kinference settings) on one embedded broker,\n"
+        description="Run every scenario (ceilings, user-style baselines, kinference settings) on one local broker,\n"
                     "model and corpus; print tables, write JSON and a plot.",
         epilog=f"scenarios:\n{scenarios}\n\nEach Kafka scenario runs in a process of its own. The targets judge the "
                "kinference setting whose\nbatching matches kinference serve's defaults. See docs/benchmarks.md.\n\n"
@@ -592,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ceiling-batch-sizes", type=concurrency_list, metavar="B1,B2,...",
                         help="in-process batch sizes to try (default: 1,8,32; --quick: 1,8)")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default: 0)")
+    parser.add_argument("--broker", choices=BROKER_KINDS, default="tansu",
+                        help="the local broker: tansu (embedded, pip-only) or kafka (Apache Kafka from Maven Central; "
+                             "needs a JDK 17+ and Maven) (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="a tiny run: smoke test of the whole command")
     parser.add_argument("--plot", type=Path, help="write the PNG plot here")
     add_report_arguments(parser)
@@ -618,7 +631,8 @@ def options_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchOptions:
         duration_s=duration, warmup_s=warmup, timeout_s=args.timeout,
         scenarios=scenarios,
         ceiling_batch_sizes=tuple(pick(args.ceiling_batch_sizes, (1, 8, 32), (1, 8))),
-        seed=args.seed, progress=not args.no_progress, command=" ".join(["kinference bench", *argv]))
+        seed=args.seed, progress=not args.no_progress, command=" ".join(["kinference bench", *argv]),
+        broker=args.broker)
 
 
 def main(argv: list[str]) -> int:

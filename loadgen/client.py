@@ -301,9 +301,14 @@ class Client:
                 return self._consumer.get_watermark_offsets(
                     TopicPartition(self.reply_topic, partition), timeout=self._metadata_timeout_s, cached=False)[1]
             except KafkaException as exc:
-                if not exc.args[0].retriable() or time.monotonic() > deadline:
+                if exc.args[0].code() not in _LEADER_MOVING or time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+
+
+_LEADER_MOVING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                  KafkaError.UNKNOWN_TOPIC_OR_PART}
+"""What a broker answers while a partition's leader is being elected (just after the topic's creation)."""
 
 
 def _correlation_id(record: Any) -> str | None:

