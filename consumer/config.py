@@ -131,7 +131,7 @@ _MODEL_FIELDS = ("handler", "model", "handler_options", "model_name", "model_ver
 
 
 Csv = Annotated[list[str], Field(min_length=1)]
-_MERGED = ("kafka", "kafka_consumer", "kafka_producer", "handler_options", "schema_registry")
+_MERGED = ("kafka", "kafka_consumer", "kafka_producer", "handler_options", "schema_registry", "topic_config")
 _LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000
 _DEAD_LETTER_OVERHEAD = 4096  # kinference's own dead-letter headers and the record framing
 # SchemaRegistryClient properties that it takes as numbers, not strings.
@@ -301,6 +301,27 @@ class ServiceConfig(BaseModel):
         5.0, gt=0, le=3600, description="How often kinference_consumer_lag is refreshed from the broker.",
     )
 
+    # --- Topics: what `kinference topics create` makes (serve reads them too, and ignores them)
+    partitions: int = Field(
+        6, ge=1, le=100_000, description="kinference topics create: partitions per request topic, the most members "
+        "that can share the work.",
+    )
+    reply_partitions: int | None = Field(
+        None, ge=1, le=100_000, description="kinference topics create: partitions of the reply topic (default: as "
+        "partitions).",
+    )
+    dead_letter_partitions: int = Field(
+        1, ge=1, le=100_000, description="kinference topics create: partitions of the dead-letter topic.",
+    )
+    replication_factor: int = Field(
+        -1, ge=-1, le=100, description="kinference topics create: replicas of each topic (-1: the broker's "
+        "default.replication.factor).",
+    )
+    topic_config: dict[str, str] = Field(
+        {}, description="kinference topics create: topic configs of the topics it makes (retention.ms, "
+        "min.insync.replicas, max.message.bytes...; key=value; repeatable).",
+    )
+
     # --- Operation
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_format: Literal["text", "json"] = Field(
@@ -318,6 +339,16 @@ class ServiceConfig(BaseModel):
 
     _split = field_validator("request_topics", "reply_topics_allowed", mode="before")(_split_csv)
     _pairs = field_validator("handler_options", mode="before")(_key_values)
+
+    @field_validator("topic_config", mode="before")
+    @classmethod
+    def _topic_config_strings(cls, value: Any) -> Any:
+        """Topic configs are strings to the broker: ``retention.ms: 86400000`` from YAML becomes ``"86400000"``."""
+        value = _key_values(value)
+        if isinstance(value, dict):
+            return {key: ("true" if item else "false") if isinstance(item, bool) else str(item)
+                    for key, item in value.items()}
+        return value
 
     @field_validator("kafka", "kafka_consumer", "kafka_producer", "schema_registry", mode="before")
     @classmethod
@@ -401,12 +432,19 @@ class ServiceConfig(BaseModel):
                 f"({self.max_batch_size}), or batches could never fill"
             )
         message_max = int(self.producer_config().get("message.max.bytes", _LIBRDKAFKA_MESSAGE_MAX_BYTES))
-        if self.max_request_bytes + self.max_header_bytes + _DEAD_LETTER_OVERHEAD > message_max:
+        if self.dead_letter_max_bytes > message_max:
             raise ValueError(
                 f"max_request_bytes + max_header_bytes ({self.max_request_bytes} + {self.max_header_bytes}) "
                 f"leaves no room under the producer's message.max.bytes ({message_max}) for the dead letter "
                 "of a maximal request: lower them, or raise message.max.bytes (--kafka-producer) and the "
-                "reply and dead-letter topics' max.message.bytes"
+                "reply and dead-letter topics' max.message.bytes (--topic-config max.message.bytes=N)"
+            )
+        topic_max = self.topic_config.get("max.message.bytes")
+        if topic_max is not None and (not topic_max.isdigit() or int(topic_max) < self.dead_letter_max_bytes):
+            raise ValueError(
+                f"topic_config max.message.bytes ({topic_max}) must hold the dead letter of a maximal request: "
+                f"max_request_bytes + max_header_bytes + {_DEAD_LETTER_OVERHEAD} = {self.dead_letter_max_bytes}; "
+                "raise it, or lower max_request_bytes"
             )
         if self.resume_in_flight is not None and self.resume_in_flight >= self.max_in_flight:
             raise ValueError("resume_in_flight must be below max_in_flight")
@@ -493,6 +531,17 @@ class ServiceConfig(BaseModel):
     def model_topics(self) -> dict[str, str]:
         """Request topic -> the name of the model that serves its records."""
         return {topic: spec.name for spec in self.models for topic in spec.request_topics}
+
+    @property
+    def dead_letter_max_bytes(self) -> int:
+        """The largest record kinference writes for a request it accepts: the dead letter of a maximal request."""
+        return self.max_request_bytes + self.max_header_bytes + _DEAD_LETTER_OVERHEAD
+
+    def topic_partitions(self) -> dict[str, int]:
+        """Each topic that ``kinference topics create`` makes, with its partition count."""
+        return {**dict.fromkeys(self.request_topics, self.partitions),
+                self.reply_topic: self.reply_partitions or self.partitions,
+                self.dead_letter_topic: self.dead_letter_partitions}
 
     @property
     def resume_threshold(self) -> int:
