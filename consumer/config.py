@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from kinference.errors import ConfigError, HandlerLoadError
+from kinference.protocol import _NEXT_PAIR
 
 ENV_PREFIX = "KINFERENCE_"
 
@@ -75,9 +76,6 @@ def _split_csv(value: Any) -> Any:
     return value
 
 
-_NEXT_PAIR = re.compile(r"[,\n]\s*(?=[A-Za-z0-9_.-]+=)")
-"""Where a string of ``key=value`` items splits: at a comma or newline followed by the next ``key=``, so a
-value may hold commas (``partition.assignment.strategy=range,roundrobin``)."""
 
 
 def _key_values(value: Any) -> Any:
