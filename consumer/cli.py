@@ -31,6 +31,8 @@ from kinference.errors import KinferenceError
 log = logging.getLogger("kinference")
 
 _HEALTH_CHECK_S = 1.0
+LOCAL_BROKER_PORT = 19092
+"""``kinference broker``'s port: not Kafka's 9092, which a local Kafka of the user's may hold."""
 _TOPICS_FIELDS = frozenset({"bootstrap_servers", "request_topics", "reply_topic", "dead_letter_topic", "kafka",
                             "partitions", "reply_partitions", "dead_letter_partitions", "replication_factor",
                             "topic_config", "max_request_bytes", "max_header_bytes", "kafka_producer"})
@@ -84,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     broker = commands.add_parser("broker", help="run the embedded Tansu broker for local development")
     broker.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
-    broker.add_argument("--port", type=int, default=9092, help="listen port (default: %(default)s)")
+    broker.add_argument("--port", type=int, default=LOCAL_BROKER_PORT, help="listen port (default: %(default)s, "
+                        "beside a local Kafka's 9092)")
     broker.add_argument("--storage", help="Tansu storage engine URL (default: memory, lost on exit)")
     broker.set_defaults(run=run_broker)
     return parser
