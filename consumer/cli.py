@@ -31,7 +31,12 @@ from kinference.errors import KinferenceError
 log = logging.getLogger("kinference")
 
 _HEALTH_CHECK_S = 1.0
-_TOPICS_FIELDS = ("bootstrap_servers", "request_topics", "reply_topic", "dead_letter_topic", "kafka")
+LOCAL_BROKER_PORT = 19092
+"""``kinference broker``'s port: not Kafka's 9092, which a local Kafka of the user's may hold."""
+_TOPICS_FIELDS = frozenset({"bootstrap_servers", "request_topics", "reply_topic", "dead_letter_topic", "kafka",
+                            "partitions", "reply_partitions", "dead_letter_partitions", "replication_factor",
+                            "topic_config", "max_request_bytes", "max_header_bytes", "kafka_producer"})
+"""What ``topics create`` reads; every other serve flag is accepted there and ignored."""
 
 
 def main(argv: list[str]) -> int:
@@ -58,17 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     topics = commands.add_parser(
         "topics", help="create the service's topics",
         description="Create the request, reply and dead-letter topics that `kinference serve` with the same "
-        f"settings uses (flags, {ENV_PREFIX}* env vars and --config, as for serve); existing topics are left "
-        "as they are. The Kafka properties (--kafka, e.g. SASL) go to the admin client.")
+        f"settings uses: it reads the same flags, {ENV_PREFIX}* env vars and --config file as serve, and takes "
+        "every serve flag, so a serve command line works here (the flags that do not concern topics are "
+        "ignored, with a note). The Kafka properties (--kafka, e.g. SASL) go to the admin client. Existing "
+        "topics are left as they are; those whose partitions or configs differ from what was asked are "
+        "reported.")
     topics.add_argument("action", choices=["create"])
     topics.add_argument("--config", type=Path, help="YAML file of option: value (as for serve)")
-    topics.add_argument("--partitions", type=int, default=6, help="partitions per request topic "
-                        "(the most members that can share the work; default: %(default)s)")
-    topics.add_argument("--reply-partitions", type=int, default=6,
-                        help="partitions of the reply topic (default: %(default)s)")
-    topics.add_argument("--replication-factor", type=int, default=-1,
-                        help="default: the broker's default.replication.factor")
-    add_config_flags(topics, _TOPICS_FIELDS)
+    add_config_flags(topics)
     topics.set_defaults(run=run_topics)
 
     health = commands.add_parser(
@@ -84,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     broker = commands.add_parser("broker", help="run the embedded Tansu broker for local development")
     broker.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
-    broker.add_argument("--port", type=int, default=9092, help="listen port (default: %(default)s)")
+    broker.add_argument("--port", type=int, default=LOCAL_BROKER_PORT, help="listen port (default: %(default)s, "
+                        "beside a local Kafka's 9092)")
     broker.add_argument("--storage", help="Tansu storage engine URL (default: memory, lost on exit)")
     broker.set_defaults(run=run_broker)
     return parser
@@ -149,7 +152,7 @@ def run_serve(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         if config.embedded_broker:
             broker = stack.enter_context(EmbeddedBroker())
-            create_topics(broker.bootstrap_servers, dict.fromkeys(config.topics(), 4))
+            create_topics(broker.bootstrap_servers, config.topic_partitions(), topic_config=config.topic_config)
             tuned = {key: SecretStr(value) for key, value in LOW_LATENCY_CONSUMER.items()}
             config = config.model_copy(update={"bootstrap_servers": broker.bootstrap_servers,
                                                "kafka_consumer": {**tuned, **config.kafka_consumer}})
@@ -167,16 +170,36 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_topics(args: argparse.Namespace) -> int:
-    from kinference.consumer.topics import create_topics
+    """Exit 0 when every topic exists afterwards (existing ones that differ from what was asked are reported,
+    not changed), 1 when one needs a larger max.message.bytes than the broker's default and none is asked."""
+    from kinference.consumer.topics import KAFKA_MESSAGE_MAX_BYTES, create_topics, differences
 
     config = _config_from_args(args)
-    partitions = {topic: args.partitions for topic in config.request_topics}
-    partitions |= {config.reply_topic: args.reply_partitions, config.dead_letter_topic: args.partitions}
-    created = create_topics(config.bootstrap_servers, partitions, replication_factor=args.replication_factor,
-                            **config.admin_config())
+    ignored = sorted(name for name in ServiceConfig.model_fields
+                     if getattr(args, name, None) is not None and name not in _TOPICS_FIELDS)
+    if ignored:
+        print("note: ignored by topics create: " + ", ".join("--" + name.replace("_", "-") for name in ignored),
+              file=sys.stderr)
+    if config.embedded_broker:
+        raise KinferenceError("topics create makes topics on --bootstrap-servers; --embedded-broker makes its own")
+    if "max.message.bytes" not in config.topic_config and config.dead_letter_max_bytes > KAFKA_MESSAGE_MAX_BYTES:
+        print(f"kinference: the dead letter of a maximal request takes {config.dead_letter_max_bytes} bytes, more "
+              f"than Kafka's default max.message.bytes ({KAFKA_MESSAGE_MAX_BYTES}): add --topic-config "
+              f"max.message.bytes={config.dead_letter_max_bytes}", file=sys.stderr)
+        return 1
+    partitions = config.topic_partitions()
+    created = create_topics(config.bootstrap_servers, partitions, replication_factor=config.replication_factor,
+                            topic_config=config.topic_config, **config.admin_config())
+    existing = {topic: count for topic, count in partitions.items() if topic not in created}
+    differ = differences(config.bootstrap_servers, existing, config.topic_config, **config.admin_config()) \
+        if existing else {}
     for topic, count in partitions.items():
-        print(f"{topic}: {'created' if topic in created else 'exists'}"
-              + (f", {count} partitions" if topic in created else ""))
+        if topic in created:
+            print(f"{topic}: created, {count} partitions")
+        elif topic in differ:
+            print(f"{topic}: exists and differs (left as it is): {'; '.join(differ[topic])}")
+        else:
+            print(f"{topic}: exists")
     return 0
 
 

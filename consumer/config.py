@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from kinference.errors import ConfigError, HandlerLoadError
+from kinference.protocol import _NEXT_PAIR
 
 ENV_PREFIX = "KINFERENCE_"
 
@@ -75,9 +76,6 @@ def _split_csv(value: Any) -> Any:
     return value
 
 
-_NEXT_PAIR = re.compile(r"[,\n]\s*(?=[A-Za-z0-9_.-]+=)")
-"""Where a string of ``key=value`` items splits: at a comma or newline followed by the next ``key=``, so a
-value may hold commas (``partition.assignment.strategy=range,roundrobin``)."""
 
 
 def _key_values(value: Any) -> Any:
@@ -131,7 +129,7 @@ _MODEL_FIELDS = ("handler", "model", "handler_options", "model_name", "model_ver
 
 
 Csv = Annotated[list[str], Field(min_length=1)]
-_MERGED = ("kafka", "kafka_consumer", "kafka_producer", "handler_options", "schema_registry")
+_MERGED = ("kafka", "kafka_consumer", "kafka_producer", "handler_options", "schema_registry", "topic_config")
 _LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000
 _DEAD_LETTER_OVERHEAD = 4096  # kinference's own dead-letter headers and the record framing
 # SchemaRegistryClient properties that it takes as numbers, not strings.
@@ -308,6 +306,27 @@ class ServiceConfig(BaseModel):
         5.0, gt=0, le=3600, description="How often kinference_consumer_lag is refreshed from the broker.",
     )
 
+    # --- Topics: what `kinference topics create` makes (serve reads them too, and ignores them)
+    partitions: int = Field(
+        6, ge=1, le=100_000, description="kinference topics create: partitions per request topic, the most members "
+        "that can share the work.",
+    )
+    reply_partitions: int | None = Field(
+        None, ge=1, le=100_000, description="kinference topics create: partitions of the reply topic (default: as "
+        "partitions).",
+    )
+    dead_letter_partitions: int = Field(
+        1, ge=1, le=100_000, description="kinference topics create: partitions of the dead-letter topic.",
+    )
+    replication_factor: int = Field(
+        -1, ge=-1, le=100, description="kinference topics create: replicas of each topic (-1: the broker's "
+        "default.replication.factor).",
+    )
+    topic_config: dict[str, str] = Field(
+        {}, description="kinference topics create: topic configs of the topics it makes (retention.ms, "
+        "min.insync.replicas, max.message.bytes...; key=value; repeatable).",
+    )
+
     # --- Operation
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_format: Literal["text", "json"] = Field(
@@ -325,6 +344,16 @@ class ServiceConfig(BaseModel):
 
     _split = field_validator("request_topics", "reply_topics_allowed", mode="before")(_split_csv)
     _pairs = field_validator("handler_options", mode="before")(_key_values)
+
+    @field_validator("topic_config", mode="before")
+    @classmethod
+    def _topic_config_strings(cls, value: Any) -> Any:
+        """Topic configs are strings to the broker: ``retention.ms: 86400000`` from YAML becomes ``"86400000"``."""
+        value = _key_values(value)
+        if isinstance(value, dict):
+            return {key: ("true" if item else "false") if isinstance(item, bool) else str(item)
+                    for key, item in value.items()}
+        return value
 
     @field_validator("kafka", "kafka_consumer", "kafka_producer", "schema_registry", mode="before")
     @classmethod
@@ -408,12 +437,19 @@ class ServiceConfig(BaseModel):
                 f"({self.max_batch_size}), or batches could never fill"
             )
         message_max = int(self.producer_config().get("message.max.bytes", _LIBRDKAFKA_MESSAGE_MAX_BYTES))
-        if self.max_request_bytes + self.max_header_bytes + _DEAD_LETTER_OVERHEAD > message_max:
+        if self.dead_letter_max_bytes > message_max:
             raise ValueError(
                 f"max_request_bytes + max_header_bytes ({self.max_request_bytes} + {self.max_header_bytes}) "
                 f"leaves no room under the producer's message.max.bytes ({message_max}) for the dead letter "
                 "of a maximal request: lower them, or raise message.max.bytes (--kafka-producer) and the "
-                "reply and dead-letter topics' max.message.bytes"
+                "reply and dead-letter topics' max.message.bytes (--topic-config max.message.bytes=N)"
+            )
+        topic_max = self.topic_config.get("max.message.bytes")
+        if topic_max is not None and (not topic_max.isdigit() or int(topic_max) < self.dead_letter_max_bytes):
+            raise ValueError(
+                f"topic_config max.message.bytes ({topic_max}) must hold the dead letter of a maximal request: "
+                f"max_request_bytes + max_header_bytes + {_DEAD_LETTER_OVERHEAD} = {self.dead_letter_max_bytes}; "
+                "raise it, or lower max_request_bytes"
             )
         if self.resume_in_flight is not None and self.resume_in_flight >= self.max_in_flight:
             raise ValueError("resume_in_flight must be below max_in_flight")
@@ -504,6 +540,17 @@ class ServiceConfig(BaseModel):
     def model_topics(self) -> dict[str, str]:
         """Request topic -> the name of the model that serves its records."""
         return {topic: spec.name for spec in self.models for topic in spec.request_topics}
+
+    @property
+    def dead_letter_max_bytes(self) -> int:
+        """The largest record kinference writes for a request it accepts: the dead letter of a maximal request."""
+        return self.max_request_bytes + self.max_header_bytes + _DEAD_LETTER_OVERHEAD
+
+    def topic_partitions(self) -> dict[str, int]:
+        """Each topic that ``kinference topics create`` makes, with its partition count."""
+        return {**dict.fromkeys(self.request_topics, self.partitions),
+                self.reply_topic: self.reply_partitions or self.partitions,
+                self.dead_letter_topic: self.dead_letter_partitions}
 
     @property
     def resume_threshold(self) -> int:

@@ -1,15 +1,17 @@
 """Topic creation: ``kinference topics create`` and the embedded broker's set-up.
 
 The service never relies on topic auto-creation (brokers that allow it create topics with their own
-defaults, and a typo in a reply-to header would create a topic): topics are made up front, here.
+defaults, and a typo in a reply-to header would create a topic): topics are made up front, here. Topics that
+exist already are never changed; ``differences`` says where they differ from what was asked.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from kinference.errors import BrokerError
 
@@ -18,22 +20,27 @@ log = logging.getLogger(__name__)
 BROKER_DEFAULT = -1
 """``replication_factor`` that lets the broker choose (``default.replication.factor``; Kafka >= 2.4)."""
 
+KAFKA_MESSAGE_MAX_BYTES = 1_048_588
+"""Apache Kafka's default ``message.max.bytes``: a topic's ``max.message.bytes`` when nothing sets it."""
+
 
 def create_topics(
     bootstrap_servers: str,
     topics: dict[str, int],
     timeout_s: float = 30.0,
     replication_factor: int = 1,
+    topic_config: Mapping[str, str] | None = None,
     **config: str,
 ) -> list[str]:
-    """Create ``{name: partitions}`` topics; topics that already exist are left as they are.
+    """Create ``{name: partitions}`` topics with ``topic_config`` (``retention.ms``...); topics that already
+    exist are left as they are.
 
     ``config`` holds librdkafka properties of the admin client (security, SASL). Returns the names of
     the topics that were created.
     """
     admin = AdminClient({"bootstrap.servers": bootstrap_servers, **config})
     futures = admin.create_topics(
-        [NewTopic(name, num_partitions=parts, replication_factor=replication_factor)
+        [NewTopic(name, num_partitions=parts, replication_factor=replication_factor, config=dict(topic_config or {}))
          for name, parts in topics.items()],
         operation_timeout=timeout_s,
         request_timeout=timeout_s,
@@ -63,3 +70,40 @@ def _wait_for_leaders(admin: AdminClient, topics: list[str], deadline: float) ->
             raise BrokerError(f"topics {sorted(waiting)} have no leader yet")
         if waiting:
             time.sleep(0.05)
+
+
+def differences(
+    bootstrap_servers: str,
+    topics: dict[str, int],
+    topic_config: Mapping[str, str] | None = None,
+    timeout_s: float = 30.0,
+    **config: str,
+) -> dict[str, list[str]]:
+    """How each existing topic of ``topics`` differs from what was asked: its partition count, and each asked
+    topic config the broker reports another value for (a config it does not report is not compared)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **config})
+    try:
+        metadata = admin.list_topics(timeout=timeout_s).topics
+    except Exception as exc:
+        raise BrokerError(f"cannot list topics: {exc}") from exc
+    found: dict[str, list[str]] = {}
+    for name, partitions in topics.items():
+        if name not in metadata:
+            continue
+        notes = found.setdefault(name, [])
+        have = len(metadata[name].partitions)
+        if have != partitions:
+            notes.append(f"{have} partitions, not {partitions}")
+    if topic_config and found:
+        resources = [ConfigResource(ConfigResource.Type.TOPIC, name) for name in found]
+        for resource, future in admin.describe_configs(resources, request_timeout=timeout_s).items():
+            try:
+                entries = future.result(timeout_s)
+            except Exception as exc:
+                found[resource.name].append(f"its configs could not be read ({exc})")
+                continue
+            for key, asked in topic_config.items():
+                entry = entries.get(key)
+                if entry is not None and entry.value is not None and entry.value != asked:
+                    found[resource.name].append(f"{key}={entry.value}, not {asked}")
+    return {name: notes for name, notes in found.items() if notes}

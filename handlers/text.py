@@ -29,6 +29,11 @@ from kinference.handlers.runtime import forward_for
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                    "sentencepiece.bpe.model")
+SAVE_HINT = "save both with model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR) (docs/handlers.md)"
+
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
 
 
@@ -48,6 +53,27 @@ def validate_text(payload: Any, max_chars: int) -> str:
             f'"text" has {len(text)} characters, more than the limit of {max_chars} (handler option max_chars)'
         )
     return text
+
+
+def check_model_dir(handler: str, model_dir: Path) -> None:
+    """Fail with the missing piece named before transformers tries to load ``model_dir``: a local directory
+    with ``config.json``, the weights and a tokenizer. A model hub id is never downloaded at run time."""
+    if not model_dir.is_dir():
+        hub_id = not model_dir.is_absolute() and len(model_dir.parts) == 2 and not str(model_dir).startswith(".")
+        hint = (f": {model_dir} looks like a model hub id, and kinference downloads nothing at run time (the image "
+                f"sets HF_HUB_OFFLINE=1); fetch it first (huggingface-cli download {model_dir} --local-dir DIR) "
+                "and pass --model DIR") if hub_id else ""
+        raise HandlerLoadError(f"{handler}: model directory {model_dir} does not exist{hint}")
+    names = {path.name for path in model_dir.iterdir()}
+    missing = []
+    if "config.json" not in names:
+        missing.append("config.json (the model's configuration)")
+    if not names & set(_WEIGHTS):
+        missing.append(f"the weights ({' or '.join(_WEIGHTS[::2])})")
+    if not names & set(_TOKENIZER_FILES):
+        missing.append("the tokenizer (tokenizer.json)")
+    if missing:
+        raise HandlerLoadError(f"{handler}: the model directory {model_dir} lacks {', '.join(missing)}: {SAVE_HINT}")
 
 
 def _json_type(value: Any) -> str:
@@ -149,8 +175,7 @@ class TextHandler(Handler):
         """Read the subclass's own options; the model is loaded by then."""
 
     def _load(self, model_dir: Path, dtype: torch.dtype) -> None:
-        if not model_dir.is_dir():
-            raise HandlerLoadError(f"{self.name}: model directory {model_dir} does not exist")
+        check_model_dir(self.name, model_dir)
         # local_files_only: a directory without the files must fail here, not reach for the model hub.
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -158,9 +183,13 @@ class TextHandler(Handler):
         except Exception as exc:  # whatever fails while loading, the service cannot start
             raise HandlerLoadError(f"{self.name}: cannot load the model in {model_dir}: {exc}") from exc
         if not getattr(self.tokenizer, "is_fast", False):
-            raise HandlerLoadError(f"{self.name}: the tokenizer in {model_dir} has no fast (Rust) version")
+            raise HandlerLoadError(f"{self.name}: the tokenizer in {model_dir} has no fast (Rust) version: save "
+                                   "its tokenizer.json (AutoTokenizer.from_pretrained(..., use_fast=True)"
+                                   ".save_pretrained(DIR))")
         if self.tokenizer.pad_token_id is None:
-            raise HandlerLoadError(f"{self.name}: the tokenizer in {model_dir} has no pad token to pad batches with")
+            raise HandlerLoadError(f"{self.name}: the tokenizer in {model_dir} has no pad token to pad batches with: "
+                                   "set one and save it (tokenizer.pad_token = tokenizer.eos_token; "
+                                   "tokenizer.save_pretrained(DIR))")
 
     def _export_example(self) -> dict[str, torch.Tensor]:
         """A batch for the ONNX exporter to trace: two rows, 16 tokens (no size 1, which tracing could fix)."""

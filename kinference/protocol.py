@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import array
 import base64
+import json
+import re
 import struct
 import sys
 from enum import StrEnum
@@ -39,6 +41,42 @@ SPRING_REPLY_PARTITION = "kafka_replyPartition"
 PayloadFormat = Literal["json", "bytes", "record"]
 """How a handler wants request values: ``json`` parsed with orjson, ``bytes`` handed over raw, ``record`` the raw
 value with the record's key, headers and correlation id (``kinference.handlers.base.Record``)."""
+
+BOOTSTRAP_SERVERS_ENV = "KINFERENCE_BOOTSTRAP_SERVERS"
+KAFKA_PROPERTIES_ENV = "KINFERENCE_KAFKA"
+"""The env vars that ``kinference serve``, ``topics``, ``loadgen`` and ``Client.from_env`` all read: where the
+brokers are, and the librdkafka properties every client needs (security, SASL, TLS)."""
+
+_NEXT_PAIR = re.compile(r"[,\n]\s*(?=[A-Za-z0-9_.-]+=)")
+"""Where a string of ``key=value`` items splits: at a comma or newline followed by the next ``key=``, so a
+value may hold commas (``partition.assignment.strategy=range,roundrobin``)."""
+
+
+def parse_properties(text: str) -> dict[str, str]:
+    """librdkafka properties as ``KINFERENCE_KAFKA`` holds them: a JSON object (numbers and booleans become the
+    strings librdkafka takes), or ``key=value`` items separated by commas or newlines. Raises ``ValueError``
+    without echoing the text (it may hold a secret)."""
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            loaded = json.loads(stripped)
+        except ValueError:
+            raise ValueError(f"expected a JSON object of properties ({len(stripped)} characters that do not parse)") \
+                from None
+        if not isinstance(loaded, dict):
+            raise ValueError("expected a JSON object of properties")
+        return {str(key): ("true" if value else "false") if isinstance(value, bool) else str(value)
+                for key, value in loaded.items()}
+    pairs = {}
+    for item in _NEXT_PAIR.split(stripped):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"expected key=value, got an item of {len(item)} characters without '='")
+        pairs[key.strip()] = value.strip()
+    return pairs
+
 
 MAX_ERROR_MESSAGE = 1000
 """Error messages are cut to this many characters in replies and dead-letter headers."""

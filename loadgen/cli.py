@@ -23,6 +23,7 @@ from kinference.loadgen.live import ProgressView
 from kinference.loadgen.plot import plot_run, plot_sweep
 from kinference.loadgen.runner import LoadPlan, run_load, run_sweep
 from kinference.loadgen.tables import run_table, sweep_table
+from kinference.protocol import BOOTSTRAP_SERVERS_ENV, KAFKA_PROPERTIES_ENV, parse_properties
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,12 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Closed loop: --concurrency C. Open loop: --rate R. Sweep: --sweep-concurrency 1,4,16,64.",
     )
     kafka = parser.add_argument_group("Kafka")
-    kafka.add_argument("--bootstrap-servers", default=os.environ.get("KINFERENCE_BOOTSTRAP_SERVERS", "127.0.0.1:9092"))
+    kafka.add_argument("--bootstrap-servers", default=os.environ.get(BOOTSTRAP_SERVERS_ENV, "127.0.0.1:9092"),
+                       help=f"Kafka bootstrap servers (default: {BOOTSTRAP_SERVERS_ENV}, else 127.0.0.1:9092)")
     kafka.add_argument("--request-topic", default="kinference-requests")
     kafka.add_argument("--reply-topic", default="kinference-replies")
     kafka.add_argument("--reply-partition", type=int, help="reply partition to read (default: a random one)")
     kafka.add_argument("--kafka", action="append", default=[], metavar="KEY=VALUE",
-                       help="librdkafka property for the client's producer and consumer (repeatable)")
+                       help="librdkafka property for the client's producer and consumer (repeatable), over "
+                       f"those of {KAFKA_PROPERTIES_ENV} (a JSON object or key=value pairs, as for serve)")
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", type=int, help="closed loop: requests in flight")
     load.add_argument("--rate", type=float, help="open loop: requests per second")
@@ -71,9 +74,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         plan = _plan(args)
-        kafka = dict(item.split("=", 1) for item in args.kafka if "=" in item)
-        if len(kafka) != len(args.kafka):
-            raise ValueError("--kafka takes KEY=VALUE")
+        kafka = kafka_properties(args.kafka)
         payloads = read_jsonl(args.payloads) if args.payloads else builtin_corpus(args.corpus, seed=args.seed)
         compare = [_read_sweep(path) for path in args.compare]
     except (ValueError, OSError) as exc:
@@ -120,6 +121,21 @@ def execute(client: Client, plan: LoadPlan, payloads: Sequence[Any], console: Co
         if path:
             console.print(f"{name}: {path}")
     return report
+
+
+def kafka_properties(items: Sequence[str], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``KINFERENCE_KAFKA`` (as serve reads it), then each ``--kafka KEY=VALUE`` over it."""
+    environ = os.environ if environ is None else environ
+    try:
+        properties = parse_properties(environ.get(KAFKA_PROPERTIES_ENV, ""))
+    except ValueError as exc:
+        raise ValueError(f"{KAFKA_PROPERTIES_ENV}: {exc}") from None
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError("--kafka takes KEY=VALUE")
+        properties[key.strip()] = value.strip()
+    return properties
 
 
 def _plan(args: argparse.Namespace) -> LoadPlan:

@@ -32,12 +32,15 @@ from kinference.loadgen.errors import ClientClosed, ClientError, DeliveryFailed,
 from kinference.loadgen.pending import ClientStats, Pending, PendingTable, settle
 from kinference.loadgen.reply import Reply
 from kinference.protocol import (
+    BOOTSTRAP_SERVERS_ENV,
     CORRELATION_ID,
     DEADLINE_MS,
+    KAFKA_PROPERTIES_ENV,
     REPLY_TO,
     SPRING_REPLY_PARTITION,
     encode_deadline,
     encode_partition,
+    parse_properties,
 )
 
 log = logging.getLogger(__name__)
@@ -103,6 +106,19 @@ class Client:
         self._routing: list[tuple[str, bytes]] = []
         self._stopping = threading.Event()
         self._reader: threading.Thread | None = None
+
+    @classmethod
+    def from_env(cls, request_topic: str, reply_topic: str, *, environ: Mapping[str, str] | None = None,
+                 **options: Any) -> Client:
+        """A client configured as ``kinference serve`` is: the brokers from ``KINFERENCE_BOOTSTRAP_SERVERS``
+        (default ``127.0.0.1:9092``), the librdkafka properties (security, SASL, TLS) from ``KINFERENCE_KAFKA``
+        (a JSON object or ``key=value`` pairs); ``kafka=`` entries among ``options`` go over those."""
+        import os
+
+        environ = os.environ if environ is None else environ
+        kafka = {**parse_properties(environ.get(KAFKA_PROPERTIES_ENV, "")), **dict(options.pop("kafka", None) or {})}
+        return cls(environ.get(BOOTSTRAP_SERVERS_ENV, "127.0.0.1:9092"), request_topic, reply_topic, kafka=kafka,
+                   **options)
 
     # --- lifecycle
 

@@ -116,19 +116,51 @@ def test_topics_create_makes_the_topics_serve_uses(broker, unique_id):
     names = {"requests": f"in-a-{unique_id},in-b-{unique_id}", "replies": f"out-{unique_id}",
              "dead": f"dead-{unique_id}"}
     # The same settings serve reads: flags, KINFERENCE_* env vars, and the Kafka properties for the admin client.
-    env = {"KINFERENCE_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "KINFERENCE_DEAD_LETTER_TOPIC": names["dead"]}
+    env = {"KINFERENCE_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "KINFERENCE_DEAD_LETTER_TOPIC": names["dead"],
+           "KINFERENCE_PARTITIONS": "3"}
     args = ["topics", "create", "--request-topics", names["requests"], "--reply-topic", names["replies"],
-            "--partitions", "3", "--reply-partitions", "2", "--replication-factor", "1", "--kafka", "client.id=topics"]
+            "--reply-partitions", "2", "--replication-factor", "1", "--kafka", "client.id=topics"]
     first = kinference(*args, env=env)
     assert first.returncode == 0, first.stderr
     assert f"out-{unique_id}: created, 2 partitions" in first.stdout
     metadata = AdminClient({"bootstrap.servers": broker.bootstrap_servers}).list_topics(timeout=10).topics
-    expected = {f"in-a-{unique_id}": 3, f"in-b-{unique_id}": 3, f"out-{unique_id}": 2, f"dead-{unique_id}": 3}
+    # One dead-letter partition by default, here as in compose and the k8s Job.
+    expected = {f"in-a-{unique_id}": 3, f"in-b-{unique_id}": 3, f"out-{unique_id}": 2, f"dead-{unique_id}": 1}
     assert {name: len(metadata[name].partitions) for name in expected} == expected
     again = kinference(*args, env=env)
-    assert again.returncode == 0 and again.stdout.count(": exists") == 4, again.stdout + again.stderr
+    assert again.returncode == 0 and again.stdout.count(": exists\n") == 4, again.stdout + again.stderr
     refused = kinference(*args, "--kafka", "group.id=x", env=env)
     assert refused.returncode == 2 and "group.id is set by --group-id" in refused.stderr
+
+
+def test_topics_create_takes_a_serve_command_line_sets_topic_configs_and_reports_what_differs(broker, unique_id):
+    replies, dead = f"out-{unique_id}", f"dead-{unique_id}"
+    serve_line = ["--bootstrap-servers", broker.bootstrap_servers, "--request-topics", f"in-{unique_id}",
+                  "--reply-topic", replies, "--dead-letter-topic", dead, "--handler", "echo", "--max-batch-size", "8",
+                  "--group-id", "g", "--kafka-consumer", "fetch.wait.max.ms=10"]
+    configs = ["--topic-config", "retention.ms=3600000", "--topic-config", "max.message.bytes=2000000"]
+    first = kinference("topics", "create", *serve_line, "--partitions", "2", *configs)
+    assert first.returncode == 0, first.stderr
+    assert "note: ignored by topics create: --group-id, --handler, --kafka-consumer, --max-batch-size" in first.stderr
+    assert first.stdout.count("created") == 3, first.stdout
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap_servers})
+    from confluent_kafka.admin import ConfigResource
+
+    (described,) = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, replies)]).values()
+    assert described.result(10)["retention.ms"].value == "3600000"
+    # Asked again with other settings: nothing changes, and each difference is reported.
+    again = kinference("topics", "create", *serve_line, "--partitions", "4", "--topic-config", "retention.ms=60000",
+                       "--topic-config", "max.message.bytes=2000000")
+    assert again.returncode == 0, again.stderr
+    assert f"in-{unique_id}: exists and differs (left as it is): 2 partitions, not 4; retention.ms=3600000, not " \
+           "60000" in again.stdout, again.stdout
+    assert len(admin.list_topics(timeout=10).topics[f"in-{unique_id}"].partitions) == 2
+    # max.message.bytes must hold the dead letter of a maximal request, and is refused before anything is made.
+    small = kinference("topics", "create", *serve_line, "--topic-config", "max.message.bytes=100000")
+    assert small.returncode == 2 and "must hold the dead letter of a maximal request" in small.stderr
+    large = kinference("topics", "create", *serve_line, "--max-request-bytes", "1500000",
+                       "--kafka-producer", "message.max.bytes=2000000")
+    assert large.returncode == 1 and "add --topic-config max.message.bytes=1520480" in large.stderr
 
 
 def test_healthcheck_follows_the_port_the_service_was_given(broker, unique_id):

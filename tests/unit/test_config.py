@@ -192,3 +192,16 @@ def test_env_map_values_may_hold_commas():
     # A repeated flag is one pair each: never split.
     flags = load_config({"kafka_consumer": ["partition.assignment.strategy=range,x=y"]}, environ={})
     assert flags.consumer_config()["partition.assignment.strategy"] == "range,x=y"
+
+
+def test_topic_plan_and_max_message_bytes_hold_a_maximal_dead_letter():
+    config = load_config({"request_topics": "a,b", "partitions": "12", "topic_config": ["retention.ms=60000"]},
+                         environ={"KINFERENCE_TOPIC_CONFIG": "min.insync.replicas=2"})
+    assert config.topic_partitions() == {"a": 12, "b": 12, "kinference-replies": 12, "kinference-dead-letters": 1}
+    assert config.topic_config == {"min.insync.replicas": "2", "retention.ms": "60000"}
+    assert load_config({"reply_partitions": "3"}, environ={}).topic_partitions()["kinference-replies"] == 3
+    needed = config.dead_letter_max_bytes
+    assert needed == config.max_request_bytes + config.max_header_bytes + 4096
+    assert load_config({"topic_config": [f"max.message.bytes={needed}"]}, environ={}).topic_config
+    with pytest.raises(ConfigError, match=f"must hold the dead letter of a maximal request.*= {needed}"):
+        load_config({"topic_config": [f"max.message.bytes={needed - 1}"]}, environ={})

@@ -53,10 +53,10 @@ def compose() -> dict[str, Any]:
 
 
 def k8s_objects() -> dict[tuple[str, str], dict[str, Any]]:
-    """Every Kubernetes object under deploy/k8s by (kind, name); the GPU patch is left out (a patch)."""
+    """Every Kubernetes object under deploy/k8s by (kind, name); the patches (``*-patch.yaml``) are left out."""
     objects = {}
     for path in sorted(K8S.rglob("*.yaml")):
-        if path.name in ("kustomization.yaml", "gpu-patch.yaml", "prometheus-adapter-values.yaml"):
+        if path.name in ("kustomization.yaml", "prometheus-adapter-values.yaml") or path.name.endswith("-patch.yaml"):
             continue
         for doc in yaml.safe_load_all(path.read_text()):
             objects[(doc["kind"], doc["metadata"]["name"])] = doc
@@ -94,9 +94,30 @@ def k8s_config(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Servi
     return serve_config(args, {**literal_env(kinference.get("env", [])), **(extra_env or {})})
 
 
-def topic_partitions(script: str) -> dict[str, int]:
-    """``--topic NAME --partitions N`` pairs of a kafka-topics.sh script."""
-    return {name: int(n) for name, n in re.findall(r"--topic (\S+) --partitions (\d+)", script)}
+def topics_config(args: list[str], environ: dict[str, str]) -> ServiceConfig:
+    """What ``kinference topics create ARGS`` would make topics with: the real parser and config loader."""
+    parsed = build_parser().parse_args(["topics", "create", *args])
+    return load_config({name: getattr(parsed, name) for name in ServiceConfig.model_fields}, parsed.config, environ)
+
+
+def compose_environment(service: dict[str, Any]) -> dict[str, str]:
+    return {key: str(value) for key, value in service["environment"].items()}
+
+
+def k8s_workload_config(tmp_path: Path, workload: dict[str, Any], name: str, command: list[str]) -> ServiceConfig:
+    """The config a pod of ``workload`` runs with: its args, the ConfigMap file it mounts, its literal env."""
+    (pod_container,) = [c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    args = list(pod_container["args"])
+    config_path = Path(args[args.index("--config") + 1])
+    (mount,) = [m for m in pod_container["volumeMounts"] if Path(m["mountPath"]) == config_path.parent]
+    (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    data = k8s_objects()[("ConfigMap", volume["configMap"]["name"])]["data"][config_path.name]
+    local = tmp_path / f"{name}-{config_path.name}"
+    local.write_text(data)
+    args[args.index("--config") + 1] = str(local)
+    environ = literal_env(pod_container.get("env", []))
+    return topics_config(args, environ) if command == ["kinference", "topics", "create"] else serve_config(
+        args, environ)
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
@@ -130,7 +151,9 @@ def exposed_metric_labels() -> dict[str, set[str]]:
         declared = getattr(metric, "_labelnames", None)
         if declared is not None:
             for suffix in _SUFFIXES[metric._type]:
-                labels[metric._name + suffix] = set(declared) | ({"le"} if suffix == "_bucket" else set())
+                # An info metric's labels are its values' keys (build_info's versions), seen on its sample only.
+                seen = labels.get(metric._name + suffix, set()) if metric._type == "info" else set()
+                labels[metric._name + suffix] = seen | set(declared) | ({"le"} if suffix == "_bucket" else set())
     return labels
 
 
@@ -209,15 +232,65 @@ def test_every_kinference_env_var_named_in_deploy_is_a_config_option():
 
 def test_compose_kinference_services_configure_a_valid_service():
     services = compose()["services"]
-    created = topic_partitions(services["topics"]["command"][0])
+    topics = services["topics"]
+    assert topics["entrypoint"] == ["kinference", "topics", "create"] and topics["image"] == services["kinference"][
+        "image"]
+    created = topics_config([str(arg) for arg in topics.get("command", [])], compose_environment(topics))
     for name in ("kinference", "kinference-gpu"):
         service = services[name]
-        environ = {key: str(value) for key, value in service["environment"].items()}
-        config = serve_config([str(arg) for arg in service.get("command", [])], environ)
-        assert set(config.request_topics) | {config.reply_topic, config.dead_letter_topic} <= set(created), name
+        config = serve_config([str(arg) for arg in service.get("command", [])], compose_environment(service))
+        assert config.topics() == list(created.topic_partitions()), name
+        assert config.kafka == created.kafka and config.bootstrap_servers == created.bootstrap_servers
         port = str(config.metrics_port)
         assert f"127.0.0.1:{port}/readyz" in " ".join(service["healthcheck"]["test"]), name
+    assert created.dead_letter_partitions == ServiceConfig.model_fields["dead_letter_partitions"].default
+    assert created.replication_factor == 1  # one broker
     assert services["kinference-gpu"]["environment"]["KINFERENCE_DEVICE"] == "cuda"
+
+
+def test_compose_binds_loopback_keeps_data_and_bounds_threads():
+    """A stack a user can run on a laptop and keep: nothing listens beyond 127.0.0.1, Kafka's data survives a
+    restart, each replica's torch and OpenMP threads are bounded, and the health check waits out a compile."""
+    spec = compose()
+    services = spec["services"]
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond the loopback"
+    published = {str(port).split(":")[1].split("-")[0]: name for name, service in services.items()
+                 for port in service.get("ports", [])}
+    assert published == {"9094": "kafka", "9400": "kinference", "9090": "prometheus", "3000": "grafana"}
+    assert "kafka-data:/var/lib/kafka/data" in services["kafka"]["volumes"] and "kafka-data" in spec["volumes"]
+    assert services["kafka"]["environment"]["KAFKA_LOG_DIRS"] == "/var/lib/kafka/data"
+    for name in ("kinference", "kinference-gpu"):
+        env = compose_environment(services[name])
+        assert int(env["OMP_NUM_THREADS"]) == serve_config([], env).torch_threads >= 1, name
+        assert "./models:/models:ro" in services[name]["volumes"]
+        assert {"path": "./kinference.env", "required": False} in services[name]["env_file"]
+        start = services[name]["healthcheck"]["start_period"]
+        assert int(start.rstrip("s")) >= 214 + 60, "a cold warm-up with compile=true took 214 s"
+    assert {"path": "./kinference.env", "required": False} in services["loadgen"]["env_file"]
+    dockerfile_start = re.search(r"--start-period=(\d+)s", (DEPLOY / "Dockerfile").read_text()).group(1)
+    assert int(dockerfile_start) >= 214 + 60
+    ignored = (ROOT / ".gitignore").read_text().split()
+    assert {"deploy/kinference.env", "deploy/models/"} <= set(ignored), "a user's settings and models stay out of git"
+
+
+def test_every_host_port_and_mount_the_docs_name_is_in_compose():
+    services = compose()["services"]
+    published = {str(port).split(":")[1].split("-")[0] for service in services.values()
+                 for port in service.get("ports", [])}
+    # deploy/README.md is about the stack: each host port it names must be published. README.md's compose section
+    # too; its other sections name the local broker of `kinference broker` (9092), which compose does not run.
+    readme = (ROOT / "README.md").read_text()
+    stack = readme[readme.index("## Running the stack with Docker"):readme.index("## Operating it")]
+    for name, text in (("deploy/README.md", (DEPLOY / "README.md").read_text()), ("README.md", stack)):
+        for port in set(re.findall(r"(?:localhost|127\.0\.0\.1):(\d+)", text)):
+            assert port in published, f"{name} names host port {port}, which compose does not publish"
+    docs = {path: path.read_text() for path in (ROOT / "docs" / "handlers.md",)}
+    handlers_doc = docs[ROOT / "docs" / "handlers.md"]
+    assert "deploy/models/" in handlers_doc and "deploy/kinference.env" in handlers_doc
+    for value in re.findall(r"KINFERENCE_MODEL=(\S+?)\\n", handlers_doc):
+        assert value.startswith("/models/"), "the compose example's model is under the /models mount"
 
 
 def test_compose_loadgen_and_readme_commands_parse():
@@ -258,7 +331,9 @@ def test_k8s_probes_ports_and_grace_agree_with_the_config(tmp_path):
     assert kinference["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert kinference["resources"]["requests"]["cpu"] and kinference["resources"]["requests"]["memory"]
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > config.shutdown_grace_s
-    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    # A member with no partitions is ready (a standby), so a surge pod never stalls a rollout: start the new pod
+    # first and keep every old one serving until it is ready.
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
     service = objects[("Service", "kinference-metrics")]
@@ -270,10 +345,10 @@ def test_autoscalers_follow_the_group_and_stop_at_the_partition_count(tmp_path):
     config = k8s_config(tmp_path)
     objects = k8s_objects()
     job = objects[("Job", "kinference-topics")]
-    script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
-    partitions = topic_partitions(script)
-    assert f"--bootstrap-server {config.bootstrap_servers} " in script
-    assert set(config.request_topics) | {config.reply_topic, config.dead_letter_topic} <= set(partitions)
+    topics = k8s_workload_config(tmp_path, job, "topics", job["spec"]["template"]["spec"]["containers"][0]["command"])
+    partitions = topics.topic_partitions()
+    assert topics.bootstrap_servers == config.bootstrap_servers
+    assert list(partitions) == config.topics()
 
     keda = objects[("ScaledObject", "kinference")]
     (trigger,) = keda["spec"]["triggers"]
@@ -291,6 +366,81 @@ def test_autoscalers_follow_the_group_and_stop_at_the_partition_count(tmp_path):
     (rule,) = yaml.safe_load((K8S / "autoscaling" / "prometheus-adapter-values.yaml").read_text())["rules"]["external"]
     assert rule["name"]["as"] == metric["external"]["metric"]["name"]
     assert "<<.Series>>{<<.LabelMatchers>>}" in rule["metricsQuery"]
+
+
+def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]
+
+
+def test_no_replicas_where_an_autoscaler_owns_the_count_and_a_budget_for_disruptions():
+    objects = k8s_objects()
+    targets = {(o["spec"]["scaleTargetRef"].get("kind", "Deployment"), o["spec"]["scaleTargetRef"]["name"])
+               for kind, _ in objects if kind in ("ScaledObject", "HorizontalPodAutoscaler")
+               for o in [objects[(kind, "kinference")]]}
+    assert ("Deployment", "kinference") in targets
+    for kind in ("Deployment", "StatefulSet"):
+        assert "replicas" not in objects[(kind, "kinference")]["spec"], f"{kind}: the autoscaler owns replicas"
+    pdb = objects[("PodDisruptionBudget", "kinference")]
+    labels = objects[("Deployment", "kinference")]["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items() and pdb["spec"]["maxUnavailable"] == 1
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert "pdb.yaml" in kustomization["resources"]
+    job_labels = objects[("Job", "kinference-topics")]["spec"]["template"]["metadata"]["labels"]
+    assert not pdb["spec"]["selector"]["matchLabels"].items() <= job_labels.items(), "the budget is for consumers"
+
+
+def test_exactly_once_recipe_is_a_statefulset_with_stable_transactional_ids(tmp_path):
+    objects = k8s_objects()
+    statefulset, deployment = objects[("StatefulSet", "kinference")], objects[("Deployment", "kinference")]
+    member = container(statefulset)
+    env = {item["name"]: item for item in member["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    # kinference derives transactional.id from group.instance.id, here the StatefulSet's stable pod name.
+    config = serve_config(list(member["args"][:0]), {"KINFERENCE_DELIVERY": env["KINFERENCE_DELIVERY"]["value"],
+                                                     "KINFERENCE_KAFKA_CONSUMER": env["KINFERENCE_KAFKA_CONSUMER"][
+                                                         "value"].replace("$(POD_NAME)", "kinference-0")})
+    assert config.delivery == "exactly-once" and config.consumer_config()["group.instance.id"] == "kinference-0"
+    assert statefulset["spec"]["serviceName"] == objects[("Service", "kinference-metrics")]["metadata"]["name"]
+    # The same pod as the Deployment's otherwise: config, Secret, certificates, probes, resources.
+    same = ("args", "ports", "startupProbe", "livenessProbe", "readinessProbe", "resources", "securityContext",
+            "volumeMounts")
+    assert {key: member[key] for key in same} == {key: container(deployment)[key] for key in same}
+    assert pod_spec(statefulset)["volumes"] == pod_spec(deployment)["volumes"]
+    assert env["KINFERENCE_KAFKA"] == {item["name"]: item for item in container(deployment)["env"]}["KINFERENCE_KAFKA"]
+    kustomization = yaml.safe_load((K8S / "exactly-once" / "kustomization.yaml").read_text())
+    assert all((K8S / "exactly-once" / resource).is_file() for resource in kustomization["resources"])
+    assert "../deployment.yaml" not in kustomization["resources"]
+
+
+def test_the_topics_job_runs_kinference_with_the_services_config_secret_and_certificates():
+    objects = k8s_objects()
+    job, deployment = objects[("Job", "kinference-topics")], objects[("Deployment", "kinference")]
+    (topics,) = pod_spec(job)["containers"]
+    assert topics["image"] == container(deployment)["image"]
+    assert topics["command"] == ["kinference", "topics", "create"]
+    assert topics["args"] == container(deployment)["args"]
+    secret = {item["name"]: item for item in container(deployment)["env"]}["KINFERENCE_KAFKA"]
+    assert secret in topics["env"]
+    volumes = {volume["name"]: volume for volume in pod_spec(deployment)["volumes"]}
+    for mount in topics["volumeMounts"]:
+        assert mount in container(deployment)["volumeMounts"] and volumes[mount["name"]] in pod_spec(job)["volumes"]
+    assert pod_spec(job)["securityContext"]["runAsNonRoot"] is True
+
+
+def test_keda_authenticates_with_a_trigger_authentication_and_the_model_patch_mounts_what_it_serves(tmp_path):
+    objects = k8s_objects()
+    (trigger,) = objects[("ScaledObject", "kinference")]["spec"]["triggers"]
+    auth = objects[("TriggerAuthentication", trigger["authenticationRef"]["name"])]
+    parameters = {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]}
+    assert {"sasl", "username", "password", "tls", "ca", "cert", "key"} <= parameters
+    patch = yaml.safe_load((K8S / "model-patch.yaml").read_text())
+    env = literal_env(container(patch)["env"])
+    (mount,) = container(patch)["volumeMounts"]
+    assert env["KINFERENCE_MODEL"].startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
+    config = k8s_config(tmp_path, env)
+    assert str(config.model) == env["KINFERENCE_MODEL"] and config.handler == env["KINFERENCE_HANDLER"]
+    (volume,) = patch["spec"]["template"]["spec"]["volumes"]
+    assert volume["name"] == mount["name"] and volume["persistentVolumeClaim"]["readOnly"] is True
 
 
 def test_prometheus_scrapes_the_metrics_port_of_every_kinference_service():
@@ -333,7 +483,8 @@ def test_every_alert_is_tested_and_kubernetes_carries_the_same_rules():
     groups = yaml.safe_load(ALERTS.read_text())["groups"]
     alerts = {rule["alert"] for group in groups for rule in group["rules"]}
     assert alerts == {"KinferenceLagGrowing", "KinferenceErrorRatioHigh", "KinferenceNoReplies",
-                      "KinferenceProducerReplaced", "KinferenceConsumerFatal", "KinferenceReadinessFlapping"}
+                      "KinferenceProducerReplaced", "KinferenceConsumerFatal", "KinferenceReadinessFlapping",
+                      "KinferenceDeadLettersHigh", "KinferenceAbsent"}
     tested = {case["alertname"] for test in yaml.safe_load(ALERT_TESTS.read_text())["tests"]
               for case in test["alert_rule_test"] if case["exp_alerts"]}
     assert tested == alerts, f"alerts never seen firing in {ALERT_TESTS.name}: {sorted(alerts - tested)}"
@@ -342,6 +493,22 @@ def test_every_alert_is_tested_and_kubernetes_carries_the_same_rules():
     assert prometheus["rule_files"] == [ALERTS.name]
     assert f"./prometheus/{ALERTS.name}:/etc/prometheus/{ALERTS.name}:ro" in compose()["services"]["prometheus"][
         "volumes"]
+
+
+def test_alert_rules_name_no_job_so_they_work_under_plain_prometheus_and_the_operator():
+    """compose's Prometheus names the job `kinference`, the Prometheus Operator after the Service
+    (`kinference-metrics`): a rule that matched one job name would never fire under the other."""
+    service = k8s_objects()[("Service", "kinference-metrics")]["metadata"]["name"]
+    (scrape,) = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    assert {scrape["job_name"], service} == {"kinference", "kinference-metrics"}
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        for rule in group["rules"]:
+            assert not re.search(r"\bjob\s*=~?", rule["expr"]), f"{rule['alert']} matches a job name"
+            if "process_" in rule["expr"]:
+                assert "kinference_build_info" in rule["expr"], f"{rule['alert']}: process_* of any job, not only ours"
+    tested_jobs = {re.search(r'job="([^"]+)"', series["series"]).group(1)
+                   for test in yaml.safe_load(ALERT_TESTS.read_text())["tests"] for series in test["input_series"]}
+    assert {"kinference", "kinference-metrics"} <= tested_jobs
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus' package) is not installed: "
@@ -394,6 +561,19 @@ def test_dockerfile_installs_kinference_the_way_the_makefile_does():
               for source in value.split()[:-1]}
     packages = set(pyproject["tool"]["setuptools"]["package-dir"].values())
     assert copied >= packages | {"pyproject.toml", pyproject["project"]["readme"]}
+
+
+@pytest.mark.parametrize("index_url", ["", "https://download.pytorch.org/whl/cu128"])
+def test_dockerfile_installs_torch_with_or_without_an_index_url(index_url):
+    """An empty TORCH_INDEX_URL (pip's own configuration, as the Makefile allows) must not give pip an empty
+    --index-url: the torch step runs in sh with pip replaced by a printer of its arguments."""
+    (step,) = [value for op, value in dockerfile_instructions() if op == "RUN" and '"${TORCH_SPEC}"' in value]
+    script = step.replace("pip install", "printf '%s\\n'", 1)
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=10,
+                          env={"TORCH_INDEX_URL": index_url, "TORCH_SPEC": "torch==2.13.0", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    args = done.stdout.split("\n")[:-1]
+    assert args == ["--no-cache-dir", *(["--index-url", index_url] if index_url else []), "torch==2.13.0"]
 
 
 def test_dockerfile_runs_kinference_serve_as_non_root_with_a_health_check():

@@ -140,10 +140,35 @@ def test_a_missing_model_directory_fails_setup(tmp_path: Path) -> None:
         set_up(tmp_path / "absent")
 
 
-@pytest.mark.model
-def test_a_directory_without_a_model_fails_setup_without_reaching_for_the_hub(tmp_path: Path) -> None:
-    with pytest.raises(HandlerLoadError, match="cannot load the model in"):
+def test_a_model_hub_id_fails_setup_with_how_to_fetch_it() -> None:
+    with pytest.raises(HandlerLoadError, match=r"looks like a model hub id.*huggingface-cli download acme/absent"):
+        set_up(Path("acme/absent"))
+
+
+def test_a_directory_without_a_model_names_every_missing_piece_without_reaching_for_the_hub(tmp_path: Path) -> None:
+    with pytest.raises(HandlerLoadError) as raised:
         set_up(tmp_path)
+    assert "lacks config.json" in str(raised.value) and "the weights (model.safetensors or pytorch_model.bin)" in str(
+        raised.value) and "the tokenizer (tokenizer.json)" in str(raised.value)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("removed", "named"), [("config.json", "config.json"), ("model.safetensors", "the weights"),
+                                                 ("tokenizer*", "the tokenizer")])
+def test_a_model_directory_missing_one_piece_names_it(tmp_path: Path, removed: str, named: str) -> None:
+    model = build_tiny_classifier(tmp_path)
+    for path in [*model.glob(removed), *(model.glob("vocab.txt") if removed == "tokenizer*" else [])]:
+        path.unlink()
+    with pytest.raises(HandlerLoadError, match=f"lacks {named}"):
+        set_up(model)
+
+
+@pytest.mark.model
+def test_a_directory_whose_files_do_not_load_fails_setup(tmp_path: Path) -> None:
+    model = build_tiny_classifier(tmp_path)
+    (model / "config.json").write_text("{not json")
+    with pytest.raises(HandlerLoadError, match="cannot load the model in"):
+        set_up(model)
 
 
 @pytest.mark.model
@@ -249,5 +274,5 @@ def test_a_tokenizer_without_a_pad_token_fails_setup(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     tokenizer.pad_token = None
     tokenizer.save_pretrained(model)
-    with pytest.raises(HandlerLoadError, match="has no pad token to pad batches with"):
+    with pytest.raises(HandlerLoadError, match=r"has no pad token to pad batches with: set one.*tokenizer.pad_token ="):
         set_up(model)

@@ -41,3 +41,31 @@ def test_contradictions_are_usage_errors(argv, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env", [
+    '{"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.password": "a,b=c", '
+    '"enable.ssl.certificate.verification": false, "socket.timeout.ms": 30000}',
+    "security.protocol=SSL,ssl.ca.location=/etc/kinference-tls/ca.crt\nssl.endpoint.identification.algorithm=https",
+    "partition.assignment.strategy=range,roundrobin,client.id=a",
+])
+def test_loadgen_and_the_client_read_kinference_kafka_as_serve_does(env):
+    from kinference import Client
+    from kinference.consumer.config import load_config
+    from kinference.loadgen.cli import kafka_properties
+
+    served = load_config(environ={"KINFERENCE_KAFKA": env}).admin_config()
+    assert kafka_properties([], {"KINFERENCE_KAFKA": env}) == served
+    assert kafka_properties(["client.id=loadgen"], {"KINFERENCE_KAFKA": env}) == {**served, "client.id": "loadgen"}
+    client = Client.from_env("requests", "replies", environ={"KINFERENCE_KAFKA": env,
+                                                             "KINFERENCE_BOOTSTRAP_SERVERS": "kafka-1:9093"},
+                             kafka={"client.id": "app"}, timeout_s=5)
+    assert client._kafka == {**served, "client.id": "app"} and client._bootstrap_servers == "kafka-1:9093"
+
+
+def test_a_malformed_kinference_kafka_is_refused_without_echoing_it():
+    from kinference.loadgen.cli import kafka_properties
+
+    with pytest.raises(ValueError, match="KINFERENCE_KAFKA: expected key=value") as raised:
+        kafka_properties([], {"KINFERENCE_KAFKA": "sasl.password:S3cret"})
+    assert "S3cret" not in str(raised.value)

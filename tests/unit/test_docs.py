@@ -1,0 +1,209 @@
+"""The docs agree with the code: every command line in README.md, docs/ and deploy/README.md parses with the
+real parsers, every flag they name exists, and the code they show runs (the handler of docs/handlers.md)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from kinference.handlers import HandlerContext, load_handler
+
+ROOT = Path(__file__).resolve().parents[2]
+HANDLERS_DOC = ROOT / "docs" / "handlers.md"
+
+
+def code_blocks(text: str, language: str = "") -> list[str]:
+    """The fenced code blocks of ``language`` (any language when empty)."""
+    return [body for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S) if not language or lang == language]
+
+
+# --- the handler example of docs/handlers.md ----------------------------------------------------------
+
+
+@pytest.fixture
+def sentiment_module(tmp_path, monkeypatch):
+    """docs/handlers.md's example handler, written where the docs say (my_handlers/sentiment.py) and importable."""
+    (source,) = [block for block in code_blocks(HANDLERS_DOC.read_text(), "python") if "class Sentiment" in block]
+    package = tmp_path / "handlers_path" / "my_handlers"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sentiment.py").write_text(source)
+    monkeypatch.syspath_prepend(str(package.parent))
+    yield "my_handlers.sentiment:Sentiment"
+    for name in [name for name in sys.modules if name.startswith("my_handlers")]:
+        del sys.modules[name]
+
+
+@pytest.mark.model
+def test_the_handler_example_of_the_docs_serves_a_batch(sentiment_module, tmp_path):
+    from tests.models import TINY_LABELS, build_tiny_classifier
+
+    model = build_tiny_classifier(tmp_path / "sentiment")
+    handler = load_handler(sentiment_module)
+    handler.setup(HandlerContext(device="cpu", model=model, options={"max_length": 16}))
+    handler.warm_up()
+    items = handler.validate_many([{"text": "the cat sat on the mat"}, {"txt": "no"}, {"text": "a dog"}, "plain"])
+    assert [type(item).__name__ for item in items] == ["list", "InvalidInput", "list", "InvalidInput"]
+    good = [items[0], items[2]]
+    assert [handler.cost(item) for item in good] == [len(item) for item in good] and handler.cost(good[0]) > 2
+    results = handler.postprocess(handler.inference(handler.preprocess(good)), good)
+    assert len(results) == 2 and all(r["label"] in TINY_LABELS.values() and 0 < r["score"] <= 1 for r in results)
+    assert handler.describe()["handler"] == "sentiment"
+
+
+def test_the_handler_example_imports_only_the_contract(sentiment_module):
+    source = importlib.util.find_spec(sentiment_module.split(":")[0]).origin
+    imported = set(re.findall(r"^(?:from|import) (\S+)", Path(source).read_text(), re.M))
+    assert imported <= {"torch", "transformers", "kinference"}, imported
+
+
+def test_the_image_recipe_builds_on_the_image_and_runs_as_its_user():
+    (recipe,) = code_blocks(HANDLERS_DOC.read_text(), "dockerfile")
+    lines = [line for line in re.sub(r"\\\n", " ", recipe).splitlines() if line.strip() and not line.startswith("#")]
+    assert lines[0] == "FROM kinference:cpu"
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert users[-1] == re.search(r"^USER (\S+)", dockerfile, re.M).group(1), "end as the image's non-root user"
+    env = dict(shlex.split(item)[0].split("=", 1) for line in lines if line.startswith("ENV ")
+               for item in line[4:].split())
+    from kinference.consumer.config import ENV_PREFIX, ServiceConfig
+
+    assert {name for name in env if name.startswith(ENV_PREFIX)} <= {ENV_PREFIX + f.upper()
+                                                                    for f in ServiceConfig.model_fields}
+    module = env["KINFERENCE_HANDLER"].split(":")[0].replace(".", "/")
+    copied = {line.split()[-1] for line in lines if line.startswith("COPY ")}
+    assert any(f"{env['PYTHONPATH']}/{module.split('/')[0]}" == target for target in copied)
+    assert env["KINFERENCE_MODEL"] in copied
+
+
+# --- command lines, flags and defaults in README.md, docs/ and deploy/README.md -------------------------
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
+NOT_OURS = {"--build-arg", "--scale", "--index-url", "--gpus", "--wait", "--rm", "--command-config",
+            "--allow-principal", "--operation", "--topic", "--group", "--transactional-id", "--resource-pattern-type",
+            "--from-literal", "--from-file", "--local-dir", "--add", "--bootstrap-server", "--profile",
+            "--archive-format", "--model-file"}
+"""Flags of docker, pip, kubectl, kafka-acls.sh, huggingface-cli and torch-model-archiver that the docs show."""
+
+
+def parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every kinference command's real parser, by the words that follow ``kinference``."""
+    from kinference.consumer.cli import build_parser as service
+    from kinference.loadgen import bench, cpu_paths, demo, drain, image_bench
+    from kinference.loadgen.cli import build_parser as loadgen
+
+    found = {"loadgen": loadgen(), "demo": demo.build_parser(), "bench": bench.build_parser(),
+             "bench image": image_bench.build_parser(), "drain": drain.build_parser(),
+             "cpu-paths": cpu_paths.build_parser()}
+    (commands,) = [action for action in service()._actions if isinstance(action, argparse._SubParsersAction)]
+    found |= dict(commands.choices)
+    return found
+
+
+_INVOCATION = re.compile(r"(?:^|&&|;|\|)\s*(?:\$ )?(?:[A-Z_]+=\S+ )*kinference ([a-z][a-z-]*)(.*)$")
+
+
+def command_lines(text: str) -> list[tuple[str, list[str]]]:
+    """(command, arguments) of each ``kinference COMMAND ...`` run in a shell code block or inline code; an
+    argument ``...`` stands for more and is dropped."""
+    lines = [line for lang, block in re.findall(r"```(\w*)\n(.*?)```", text, re.S) if lang in ("", "bash", "sh")
+             for line in block.replace("\\\n", " ").splitlines()]
+    # Inline code names other things too (the `kinference batch` span): only commands are checked there.
+    from kinference.cli import COMMANDS
+
+    lines += [span for span in re.findall(r"`(kinference [a-z][^`]*)`", text) if span.split()[1] in COMMANDS]
+    found = []
+    for line in lines:
+        match = _INVOCATION.search(line.split("  #")[0])
+        if match is None:
+            continue
+        command, rest = match.groups()
+        try:
+            words = shlex.split(rest)
+        except ValueError:  # a JSON value spread over several lines: its first line alone does not parse
+            continue
+        if command == "bench" and words[:1] == ["image"]:
+            command, words = "bench image", words[1:]
+        found.append((command, [word for word in words if word not in ("...", "&")]))
+    return found
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_command_line_of_the_docs_parses_with_the_cli(path):
+    from kinference.cli import COMMANDS
+
+    known = parsers()
+    for command, words in command_lines(path.read_text()):
+        assert command.split()[0] in COMMANDS, f"{path.name}: kinference {command} is not a command"
+        parser = known[command]
+        try:
+            parser.parse_args(words)
+        except SystemExit as exc:
+            if exc.code:
+                raise AssertionError(f"{path.name}: `kinference {command} {' '.join(words)}` does not parse") from None
+
+
+def all_flags() -> dict[str, set[str]]:
+    """Each flag of every command, with the defaults it has in the commands that take it."""
+    flags: dict[str, set[str]] = {}
+    for parser in parsers().values():
+        for action in parser._actions:
+            for option in action.option_strings:
+                flags.setdefault(option, set()).add(str(action.default))
+    from kinference.consumer.config import ServiceConfig
+
+    for name, field in ServiceConfig.model_fields.items():  # serve's flags show the config's defaults
+        flags.setdefault("--" + name.replace("_", "-"), set()).add(str(field.default))
+    return flags
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_flag_the_docs_name_exists_and_stated_defaults_are_the_clis(path):
+    text = path.read_text()
+    flags = all_flags()
+    named = set(re.findall(r"`(--[a-z][a-z0-9-]*)", text))
+    assert not named - set(flags) - NOT_OURS, f"{path.name} names flags no command has: {sorted(named - set(flags))}"
+    for flag, stated in re.findall(r"`(--[a-z][a-z0-9-]+)[^`]*`[^.;\n`]{0,60}?\(default:? `?([^`),;\s]+)", text):
+        # Only flags with one plain default everywhere: None means "see the help" (an effective default), a
+        # list is a sweep.
+        if flag in flags and re.fullmatch(r"[\d.:]+", stated) and not any(
+                default == "None" or default.startswith("[") for default in flags[flag]):
+            defaults = flags[flag]
+            assert any(default == stated or _same_number(default, stated) for default in defaults), \
+                f"{path.name}: {flag} says default {stated}, the CLI's is {sorted(defaults)}"
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
+
+
+
+def test_the_quick_start_against_the_embedded_broker_sets_what_it_needs():
+    """README's broker quick start: `kinference broker`'s own port (not a local Kafka's 9092), and every consumer
+    of it with fetch.wait.max.ms=10, as README says it needs."""
+    from kinference.consumer.broker import LOW_LATENCY_CONSUMER
+
+    readme = (ROOT / "README.md").read_text()
+    (block,) = [block for block in code_blocks(readme, "bash") if "kinference broker" in block]
+    broker = parsers()["broker"].parse_args([])
+    assert broker.port != 9092, "a local Kafka holds 9092"
+    lines: dict[str, list[str]] = {}
+    for command, words in command_lines(f"```bash\n{block}```"):
+        if "--embedded-broker" not in words:  # the one-process alternative brings its own broker
+            lines.setdefault(command, words)
+    for command in ("topics", "serve"):
+        config = parsers()[command].parse_args(lines[command])
+        assert config.bootstrap_servers == f"127.0.0.1:{broker.port}", command
+    serve = parsers()["serve"].parse_args(lines["serve"])
+    assert [f"{key}={value}" for key, value in LOW_LATENCY_CONSUMER.items()] == serve.kafka_consumer
+    (producer,) = re.findall(r'"bootstrap.servers": "([^"]+)"', readme)
+    assert producer == f"127.0.0.1:{broker.port}"
