@@ -45,21 +45,43 @@ class Abandoned(Exception):
     offsets stay uncommitted and it is served again after a restart)."""
 
 
+MAX_RESULT_DEPTH = 254
+"""The deepest nesting of lists and dicts in a result: orjson writes no deeper, so a deeper result could not be
+answered anyway; ``finite`` stops there instead of walking (or, recursing, overflowing) further."""
+
+
 def finite(value: Any) -> bool:
-    """No NaN or infinity anywhere in a result (floats, numpy arrays, nested lists and dicts)."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(finite(item) for item in value.values())
-    if isinstance(value, list | tuple):
-        if value and isinstance(value[0], float):
-            try:
-                return all(map(math.isfinite, value))  # fast path: a vector of floats
-            except TypeError:
-                pass  # mixed contents: check item by item
-        return all(finite(item) for item in value)
-    if isinstance(value, np.ndarray | np.floating):
-        return value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
+    """No NaN or infinity anywhere in a result (floats, numpy arrays, nested lists and dicts). ``RequestError``
+    (``handler_error``) for a result nested deeper than ``MAX_RESULT_DEPTH``.
+
+    Iterative, with its own stack: a handler's result is untrusted (an echo of a hostile request is one), and a
+    recursive walk failed every request of the micro-batch with a RecursionError. A container met twice (shared,
+    or holding itself) is walked once."""
+    pending: list[tuple[Any, int]] = [(value, 0)]
+    seen: set[int] = set()
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                return False
+        elif isinstance(value, dict | list | tuple):
+            if depth >= MAX_RESULT_DEPTH:
+                raise RequestError(f"result is nested deeper than {MAX_RESULT_DEPTH} levels", ErrorCode.HANDLER_ERROR)
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            items = value.values() if isinstance(value, dict) else value
+            if not isinstance(value, dict) and value and isinstance(value[0], float):
+                try:
+                    if not all(map(math.isfinite, value)):  # fast path: a vector of floats
+                        return False
+                    continue
+                except TypeError:
+                    pass  # mixed contents: check item by item
+            pending.extend((item, depth + 1) for item in items)
+        elif (isinstance(value, np.ndarray | np.floating) and value.dtype.kind in "fc"
+              and not np.isfinite(value).all()):
+            return False
     return True
 
 
@@ -193,7 +215,13 @@ class StagePool:
                 started = time.perf_counter()
                 self._work(micro_batch)
                 self._seconds.observe(time.perf_counter() - started)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            # Whatever the handler raises fails this micro-batch alone: SystemExit too (library code calls
+            # sys.exit; letting it end the thread left the micro-batch unanswered and, after each restart, crashed
+            # the service again on the same records), and GeneratorExit, which means something only inside a
+            # generator being closed, and this is none. Only KeyboardInterrupt is the operator's.
             log.warning("%s failed for a micro-batch of %d requests: %r", self.name, len(micro_batch.active), exc,
                         exc_info=log.isEnabledFor(logging.DEBUG), extra=about(micro_batch.requests[0]))
             micro_batch.fail_active(RequestError(f"{self.name} failed: {exc!r}", ErrorCode.HANDLER_ERROR))
@@ -373,25 +401,29 @@ class Pipeline:
             count = len(results) if isinstance(results, list) else type(results).__name__
             raise RequestError(f"postprocess returned {count} results for {len(micro_batch.active)} requests")
         for request, result in zip(micro_batch.active, results, strict=True):
-            if isinstance(result, RequestError):
-                request.fail(result)
-            elif not finite(result):
-                # JSON has no NaN or infinity (orjson would write null): a client must not mistake
-                # a broken output for a value.
-                request.fail(RequestError("result holds NaN or infinity", ErrorCode.HANDLER_ERROR))
-            else:
-                try:
-                    request.reply_value = (encode_result(result) if request.reply_format is None
-                                           else request.reply_format.response(result))
-                except TypeError as exc:
-                    request.fail(RequestError(f"result is not JSON-serialisable: {exc}", ErrorCode.HANDLER_ERROR))
-                except RequestError as exc:  # e.g. an OIP request asked for an output the result does not have
-                    request.fail(exc)
+            try:
+                request.reply_value = _reply_value(request, result)
+            except RequestError as exc:  # this result alone: e.g. an OIP request asked for an output it lacks
+                request.fail(exc)
 
     def _emit_micro_batch(self, micro_batch: MicroBatch) -> None:
         if micro_batch.trace is not None:
             micro_batch.trace.span.end()
         self._emit(micro_batch.requests)
+
+
+def _reply_value(request: Request, result: Any) -> bytes:
+    """The reply value of one result; ``RequestError`` when it cannot be one."""
+    if isinstance(result, RequestError):
+        raise result
+    if not finite(result):
+        # JSON has no NaN or infinity (orjson would write null): a client must not mistake a broken output for a
+        # value.
+        raise RequestError("result holds NaN or infinity", ErrorCode.HANDLER_ERROR)
+    try:
+        return encode_result(result) if request.reply_format is None else request.reply_format.response(result)
+    except TypeError as exc:
+        raise RequestError(f"result is not JSON-serialisable: {exc}", ErrorCode.HANDLER_ERROR) from exc
 
 
 def _untraced(_name: str, work: Callable[[MicroBatch], None]) -> Callable[[MicroBatch], None]:

@@ -1,5 +1,6 @@
 import math
 import queue
+import sys
 import threading
 import time
 
@@ -8,7 +9,7 @@ import pytest
 
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
-from kinference.consumer.stages import Pipeline, finite
+from kinference.consumer.stages import MAX_RESULT_DEPTH, Pipeline, finite
 from kinference.errors import InvalidInput, RequestError
 from kinference.handlers.base import Handler
 from tests.fakes import make_request, wait_for
@@ -55,9 +56,18 @@ class SquareHandler(Handler):
                 results.append({"y": object()})  # not JSON-serialisable
             elif item == -5:
                 results.append({"y": math.nan})
+            elif item == -6:
+                results.append(deeply_nested(400))
             else:
                 results.append({"y": out})
         return results
+
+
+def deeply_nested(depth):
+    value = [1.0]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
 
 
 def run_pipeline(handler, batches, *, micro=None, threads=(1, 1, 1), max_batch_size=64):
@@ -149,6 +159,56 @@ def test_exception_fails_only_its_micro_batch_and_pipeline_keeps_running():
     assert "model exploded" in poisoned[0].error.message
     assert [reply(r) for r in healthy] == [{"y": 25}, {"y": 36}, {"y": 49}, {"y": 64}]
     assert reply(later[0]) == {"y": 81}
+
+
+def test_a_deeply_nested_result_fails_only_its_own_request():
+    """Issue 20, defect 1: the finiteness check recursed, and a 400-deep result failed its whole micro-batch."""
+    batch = [make_request({"x": v}) for v in (1, -6, 2)]
+    run_pipeline(SquareHandler(), [batch])
+    assert reply(batch[0]) == {"y": 1} and reply(batch[2]) == {"y": 4}
+    assert batch[1].error.code == "handler_error" and "nested deeper than" in batch[1].error.message
+
+
+def test_finite_is_iterative_and_bounded_in_depth():
+    assert finite(deeply_nested(MAX_RESULT_DEPTH))
+    with pytest.raises(RequestError, match="nested deeper than"):
+        finite(deeply_nested(100_000))
+    cycle = [1.0]
+    cycle.append(cycle)
+    cycle.append(cycle)
+    assert finite(cycle)
+
+
+@pytest.mark.parametrize("raised", [SystemExit, GeneratorExit, BaseExceptionGroup])
+def test_a_handler_raising_a_base_exception_fails_its_micro_batch_and_the_pipeline_keeps_serving(raised):
+    """Issue 20, defect 8: a ``SystemExit`` from a handler killed the inference thread, and the micro-batch was
+    never answered."""
+
+    class Raising(SquareHandler):
+        def inference(self, inputs):
+            if -7 in inputs:
+                raise raised("boom") if raised is not BaseExceptionGroup else raised("boom", [SystemExit(1)])
+            return super().inference(inputs)
+
+    poisoned = [make_request({"x": v}) for v in (1, -7)]
+    later = [make_request({"x": 3})]
+    run_pipeline(Raising(), [poisoned, later])
+    assert {r.error.code for r in poisoned} == {"handler_error"}
+    assert raised.__name__ in poisoned[0].error.message
+    assert reply(later[0]) == {"y": 9}
+
+
+def test_a_validate_calling_sys_exit_fails_its_own_request_in_admission():
+    class ExitingValidate(SquareHandler):
+        def validate(self, payload):
+            if payload == {"x": -7}:
+                sys.exit(3)
+            return super().validate(payload)
+
+    requests = [make_request({"x": v}) for v in (1, -7, 2)]
+    admit(ExitingValidate(), requests)
+    assert [r.item for r in requests] == [1, None, 2]
+    assert requests[1].error.code == "handler_error" and "SystemExit" in requests[1].error.message
 
 
 def test_wrong_number_of_outputs_fails_every_request_of_the_micro_batch():
