@@ -42,6 +42,8 @@ value with the record's key, headers and correlation id (``kinference.handlers.b
 
 MAX_ERROR_MESSAGE = 1000
 """Error messages are cut to this many characters in replies and dead-letter headers."""
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects a JSON request value may have; a deeper one gets ``bad_request``."""
 
 
 class ErrorCode(StrEnum):
