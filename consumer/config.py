@@ -121,6 +121,7 @@ class ModelSpec(BaseModel):
     max_batch_bytes: int | None = Field(None, ge=1)
     micro_batch_size: int | None = Field(None, ge=1)
     parallelism: Parallelism | None = None
+    handler_timeout_s: float | None = Field(None, gt=0, le=86_400)
 
     _split = field_validator("request_topics", mode="before")(_split_csv)
     _pairs = field_validator("handler_options", mode="before")(_key_values)
@@ -243,6 +244,12 @@ class ServiceConfig(BaseModel):
         None, ge=1, description="Split batches into micro-batches of this size (default: no split)."
     )
     parallelism: Parallelism = Field(Parallelism(), description="Threads per stage.")
+    handler_timeout_s: float = Field(
+        300.0, gt=0, le=86_400, description="The longest one preprocess, inference or postprocess call may run: "
+        "past it the micro-batch's requests get handler_timeout (and are dead-lettered), and the model is unhealthy "
+        "(/healthz 503 naming it; kinference serve exits 1). The default leaves room for a first CUDA or "
+        "torch.compile compile of a new batch shape and for a cold cache.",
+    )
     torch_threads: int | None = Field(
         None, ge=1, le=1024, description="torch intra-op threads (default: torch's own, one per core).",
     )

@@ -1,7 +1,8 @@
 """HTTP endpoints for operators: ``/metrics`` (Prometheus), ``/healthz`` (alive) and ``/readyz`` (serving).
 
-``/healthz`` answers 200 while every service thread runs and the producer has no fatal error (a
-liveness probe restarts the pod otherwise). ``/readyz`` answers 200 once the model is loaded and
+``/healthz`` answers 200 while every service thread runs, no handler call ran over ``handler_timeout_s``
+(one check per model, named after it) and the producer has no fatal error (a liveness probe restarts the pod
+otherwise). ``/readyz`` answers 200 once the model is loaded and
 warmed, partitions are assigned and a broker connection is up. Both return a JSON body saying why.
 """
 

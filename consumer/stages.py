@@ -114,6 +114,9 @@ class MicroBatch:
     outputs: Any = None
     trace: BatchTrace | None = None
     """The micro-batch's span (``consumer.tracing``); None when tracing is off."""
+    settled: bool = False
+    """Its requests were handed on to be answered (``Pipeline._settle``): once, by the last stage or by the
+    handler timeout, whichever comes first."""
 
     def fail_active(self, error: RequestError) -> None:
         for request in self.active:
@@ -149,8 +152,12 @@ class StagePool:
         self._work = work
         self._forward = forward
         self._threads = [
-            threading.Thread(target=self._run, name=f"kinference-{name}-{i}", daemon=True) for i in range(threads)
+            threading.Thread(target=self._run, args=(i,), name=f"kinference-{name}-{i}", daemon=True)
+            for i in range(threads)
         ]
+        self._calls: list[tuple[float, MicroBatch] | None] = [None] * threads
+        """Per thread, the handler call it is in: (``time.monotonic()`` at its start, its micro-batch). Each thread
+        writes only its own slot."""
         self.crashed: list[str] = []
         self._prepare = prepare
         self._prepared = threading.Semaphore(0)
@@ -190,7 +197,11 @@ class StagePool:
     def alive(self) -> bool:
         return all(thread.is_alive() for thread in self._threads)
 
-    def _run(self) -> None:
+    def started_before(self, moment: float) -> list[tuple[float, MicroBatch]]:
+        """The handler calls running now that started before ``moment``: (start, micro-batch)."""
+        return [call for call in list(self._calls) if call is not None and call[0] < moment]
+
+    def _run(self, index: int) -> None:
         try:
             if self._prepare is not None:
                 self._prepare()
@@ -201,7 +212,7 @@ class StagePool:
             self._prepared.release()
         try:
             while (micro_batch := self.inbox.get()) is not _STOP:
-                self._process(micro_batch)
+                self._process(micro_batch, index)
         except Abandoned:
             return
         except BaseException as exc:  # a stage thread must never die silently
@@ -209,11 +220,15 @@ class StagePool:
             log.critical("stage thread %s died", threading.current_thread().name, exc_info=True)
             raise
 
-    def _process(self, micro_batch: MicroBatch) -> None:
+    def _process(self, micro_batch: MicroBatch, index: int) -> None:
         try:
             if micro_batch.active:
                 started = time.perf_counter()
-                self._work(micro_batch)
+                self._calls[index] = (time.monotonic(), micro_batch)
+                try:
+                    self._work(micro_batch)
+                finally:
+                    self._calls[index] = None
                 self._seconds.observe(time.perf_counter() - started)
         except KeyboardInterrupt:
             raise
@@ -253,13 +268,23 @@ class Pipeline:
         wake: Callable[[], None] = lambda: None,
         tracing: Tracing | None = None,
         model: str = DEFAULT_MODEL,
+        handler_timeout_s: float | None = None,
     ) -> None:
         """``next_batch(timeout_s, only_full)`` blocks until a batch is due (``Batcher.next_batch``); while
         ``only_full()`` is true it may return only a full batch. ``wake()`` makes it look again: called when an
         inference thread frees up. ``observe(work, seconds)`` learns the cost of each inference call
         (``Batcher.observe``). ``tracing``, when on, records a span per micro-batch and per stage call. ``model``
-        names the served model in the metrics."""
+        names the served model in the metrics and in errors. ``handler_timeout_s``: the longest a handler call may
+        run (``_watch``); None: no limit."""
         self._handler = handler
+        self._model = model
+        self._handler_timeout_s = handler_timeout_s
+        self.stuck: str | None = None
+        """Why the model is unhealthy: a handler call ran over the timeout (for good: the orchestrator restarts
+        the process, the only way to get the thread back)."""
+        self._settle_lock = threading.Lock()
+        self._in_progress = 0
+        """Requests taken from the batcher and not yet handed on to be answered."""
         self._tracing = tracing
         self._observe = observe
         self._metrics = metrics = metrics or Metrics()
@@ -299,6 +324,8 @@ class Pipeline:
                               preprocess_threads, depth, metrics, self._abandon, model=model)
         self._pools = (self._pre, self._infer, self._post)
         self._dispatcher = threading.Thread(target=self._dispatch, name="kinference-dispatch", daemon=True)
+        self._watchdog = (None if handler_timeout_s is None
+                          else threading.Thread(target=self._watch, name=f"kinference-watchdog-{model}", daemon=True))
 
     def start(self) -> None:
         """Start the stage threads, once every inference thread has warmed the model up (its error, if
@@ -313,6 +340,8 @@ class Pipeline:
                 pool.stop(time.monotonic() + 5.0)
             raise
         self._dispatcher.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop taking batches; finish those already taken within ``timeout_s``. False when a stage thread is
@@ -333,7 +362,55 @@ class Pipeline:
 
     @property
     def healthy(self) -> bool:
-        return self._dispatcher.is_alive() and all(pool.alive for pool in self._pools)
+        return self.stuck is None and self._dispatcher.is_alive() and all(pool.alive for pool in self._pools)
+
+    @property
+    def in_progress(self) -> int:
+        """Requests taken from the batcher and not yet handed on to be answered."""
+        return self._in_progress
+
+    def _watch(self) -> None:
+        """Answer the requests of a handler call that runs longer than ``handler_timeout_s`` with
+        ``handler_timeout`` (and a dead letter), at once, without waiting for the call, and mark the model
+        unhealthy. The call goes on in its thread (Python cannot stop it); if it ever returns, its micro-batch
+        passes the remaining stages empty and is not answered again (``_settle``)."""
+        limit = self._handler_timeout_s
+        assert limit is not None
+        while not self._stopping.wait(min(1.0, limit / 4)):
+            now = time.monotonic()
+            for pool in self._pools:
+                for started, micro_batch in pool.started_before(now - limit):
+                    self._time_out(pool.name, micro_batch, now - started)
+
+    def _time_out(self, stage: str, micro_batch: MicroBatch, running_s: float) -> None:
+        error = RequestError(f"{stage} of model {self._model!r} ran {running_s:.1f} s, over handler_timeout_s "
+                             f"({self._handler_timeout_s:g} s)", ErrorCode.HANDLER_TIMEOUT)
+        if not self._settle(micro_batch, error):
+            return  # it finished meanwhile
+        self.stuck = self.stuck or error.message
+        log.error("%s; %d requests answered with handler_timeout; the model is unhealthy", error.message,
+                  len(micro_batch.requests), extra=about(micro_batch.requests[0]))
+        self._hand_on(micro_batch)
+
+    def _settle(self, micro_batch: MicroBatch, error: RequestError | None = None) -> bool:
+        """Claim ``micro_batch`` for answering: True once, for whichever comes first, the last stage or the
+        timeout. With ``error``, its requests still ok fail with it and are dead-lettered."""
+        with self._settle_lock:
+            if micro_batch.settled:
+                return False
+            micro_batch.settled = True
+            if error is not None:
+                for request in micro_batch.active:
+                    request.dead_letter = True
+                micro_batch.fail_active(error)
+            return True
+
+    def _hand_on(self, micro_batch: MicroBatch) -> None:
+        if micro_batch.trace is not None:
+            micro_batch.trace.span.end()
+        with self._settle_lock:
+            self._in_progress -= len(micro_batch.requests)
+        self._emit(micro_batch.requests)
 
     def _dispatch(self) -> None:
         while not self._stopping.is_set():
@@ -348,6 +425,8 @@ class Pipeline:
                 self._slots.release()
                 continue
             self._batch_size.observe(len(batch))
+            with self._settle_lock:
+                self._in_progress += len(batch)
             parts = [batch[i : i + self._micro] for i in range(0, len(batch), self._micro)]
             with self._running_lock:
                 self._running += 1
@@ -407,9 +486,8 @@ class Pipeline:
                 request.fail(exc)
 
     def _emit_micro_batch(self, micro_batch: MicroBatch) -> None:
-        if micro_batch.trace is not None:
-            micro_batch.trace.span.end()
-        self._emit(micro_batch.requests)
+        if self._settle(micro_batch):
+            self._hand_on(micro_batch)
 
 
 def _reply_value(request: Request, result: Any) -> bytes:

@@ -192,3 +192,13 @@ def test_env_map_values_may_hold_commas():
     # A repeated flag is one pair each: never split.
     flags = load_config({"kafka_consumer": ["partition.assignment.strategy=range,x=y"]}, environ={})
     assert flags.consumer_config()["partition.assignment.strategy"] == "range,x=y"
+
+
+def test_handler_timeout_has_a_flag_an_env_var_and_a_per_model_value():
+    assert ServiceConfig().handler_timeout_s == 300.0
+    assert load_config(environ={"KINFERENCE_HANDLER_TIMEOUT_S": "12.5"}).handler_timeout_s == 12.5
+    config = load_config({"handler_timeout_s": 60, "models": [{"name": "a", "handler": "echo", "handler_timeout_s": 5},
+                                                              {"name": "b", "handler": "echo"}]}, environ={})
+    assert [model.handler_timeout_s for model in config.model_configs()] == [5.0, 60.0]
+    with pytest.raises(ConfigError, match="handler_timeout_s"):
+        load_config({"handler_timeout_s": 0}, environ={})

@@ -374,3 +374,58 @@ def test_a_busy_inference_thread_gets_a_full_batch_queued_behind_it_but_never_a_
         handler.release.set()
         pipeline.stop(5)
     assert [request.batch_size for request in emitted] == [1, 4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("stage", ["preprocess", "inference", "postprocess"])
+def test_a_handler_call_over_the_timeout_is_answered_with_handler_timeout_once_and_the_model_is_unhealthy(stage):
+    """Issue 20, defect 7: a hung handler call held its requests (and, through max_in_flight, every partition)
+    forever, and health stayed good. Its requests are answered at the timeout now, as dead letters too; the
+    model turns unhealthy; and when the call returns at last, nothing is answered twice."""
+    release = threading.Event()
+
+    class Hanging(SquareHandler):
+        def preprocess(self, items):
+            if stage == "preprocess" and 13 in items:
+                release.wait(10)
+            return super().preprocess(items)
+
+        def inference(self, inputs):
+            if stage == "inference" and 13 in inputs:
+                release.wait(10)
+            return super().inference(inputs)
+
+        def postprocess(self, outputs, items):
+            if stage == "postprocess" and 13 in items:
+                release.wait(10)
+            return super().postprocess(outputs, items)
+
+    pending = queue.Queue()
+    stuck, later = [make_request({"x": v}) for v in (13, 2)], [make_request({"x": 3})]
+    for batch in (stuck, later):
+        admit(Hanging(), batch)
+        pending.put(batch)
+    emitted = []
+
+    def next_batch(timeout_s, only_full):
+        try:
+            return pending.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+
+    pipeline = Pipeline(Hanging(), next_batch, emitted.extend, inference_threads=2, max_batch_size=8,
+                        model="m", handler_timeout_s=0.3)
+    pipeline.start()
+    try:
+        assert wait_for(lambda: all(any(r is e for e in emitted) for r in stuck), 5), len(emitted)
+        assert {r.error.code for r in stuck} == {"handler_timeout"} and all(r.dead_letter for r in stuck)
+        assert f"{stage} of model 'm'" in stuck[0].error.message
+        assert "handler_timeout_s (0.3 s)" in stuck[0].error.message
+        assert not pipeline.healthy and "model 'm'" in pipeline.stuck
+        release.set()
+        assert wait_for(lambda: len(emitted) == 3 and pipeline.in_progress == 0, 5)
+        time.sleep(0.2)
+        assert len(emitted) == 3 and reply(later[0]) == {"y": 9}
+        assert {r.error.code for r in stuck} == {"handler_timeout"}
+    finally:
+        release.set()
+        pipeline.stop(5)
