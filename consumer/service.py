@@ -149,6 +149,8 @@ class Service:
             raise
 
     def _start(self, config: ServiceConfig) -> Service:
+        for warning in config.warnings():
+            log.warning("%s", warning)
         self.tracing = self._open_tracing(config)  # first: a missing package fails before the model loads
         device = resolve_device(config.device)
         if config.torch_threads is not None:
