@@ -303,7 +303,8 @@ class ServiceConfig(BaseModel):
     )
     producer_stall_timeout_s: float | None = Field(
         None, gt=0, description="Replace the producer after no successful delivery for this long with records "
-        "outstanding (default: librdkafka's delivery timeout, message.timeout.ms, plus 30 s; never when message.timeout.ms is 0, no limit).",
+        "outstanding (default: librdkafka's delivery timeout, message.timeout.ms, plus 30 s; never when "
+        "message.timeout.ms is 0, no limit).",
     )
     lag_interval_s: float = Field(
         5.0, gt=0, le=3600, description="How often kinference_consumer_lag is refreshed from the broker.",
