@@ -163,7 +163,7 @@ def _input(item: Any, request_bytes: int) -> tuple[str, Any, bytes | None]:
             and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= request_bytes for d in shape)):
         raise RequestError(f'{where}: "shape" must be a list of 1 to {MAX_DIMENSIONS} sizes, none larger than the '
                            f"request's {request_bytes} bytes can hold", ErrorCode.BAD_REQUEST)
-    if datatype not in DATATYPES:
+    if not isinstance(datatype, str) or datatype not in DATATYPES:
         raise RequestError(f'{where}: "datatype" {str(datatype)[:20]!r} is not one of {", ".join(sorted(DATATYPES))}',
                            ErrorCode.BAD_REQUEST)
     if shape[0] != 1:

@@ -189,6 +189,7 @@ def test_a_shape_bomb_is_a_bad_request_refused_before_any_arithmetic(monkeypatch
      '"parameters" must be an object'),
     ({"inputs": [{"name": "t", "shape": [1, 2**64 - 1, 0], "datatype": "FP32", "data": []}]}, "sizes"),
     ({"inputs": [{"name": "t", "shape": [1] * 9, "datatype": "FP32", "data": [1]}]}, "1 to 8 sizes"),
+    ({"inputs": [{"name": "t", "shape": [0], "datatype": [], "data": []}]}, '"datatype" '),  # found by the fuzz pass
     # Ragged data: nested data must match the shape it claims (it was reshaped from its flattened elements).
     ({"inputs": [{"name": "t", "shape": [1, 2, 2], "datatype": "FP32", "data": [[[1, 2, 3], [4]]]}]}, "ragged"),
     ({"inputs": [{"name": "t", "shape": [1, 4], "datatype": "FP32", "data": [[1, 2], [3, 4]]}]}, "ragged"),
