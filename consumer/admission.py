@@ -8,6 +8,9 @@ outcome is set on its own request: its neighbours and the poll thread go on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from kinference.consumer.request import Request
 from kinference.errors import RequestError
 from kinference.handlers.base import Handler
@@ -18,35 +21,36 @@ def admit(handler: Handler, requests: list[Request]) -> None:
     """Set each request's ``item`` and ``tokens``, or fail it with the reason. Never raises."""
     if not requests:
         return
-    try:
-        items = handler.validate_many([request.payload for request in requests])
-        if not isinstance(items, list) or len(items) != len(requests):
-            raise TypeError(f"validate_many returned {len(items) if isinstance(items, list) else type(items).__name__}"
-                            f" results for {len(requests)} payloads")
-    except Exception:  # a bug in the batch hook: validate each request alone, so that one bad payload fails alone
-        items = [_validate_one(handler, request.payload) for request in requests]
+    items = _contained(handler.validate_many, [request.payload for request in requests])
+    if not isinstance(items, list) or len(items) != len(requests):
+        # A bug in the batch hook (it raised, or miscounted): validate each request alone, so that one bad payload
+        # fails alone.
+        items = [_contained(handler.validate, request.payload) for request in requests]
     for request, item in zip(requests, items, strict=True):
         if isinstance(item, RequestError):
             request.fail(item)
-        elif isinstance(item, Exception):  # a handler bug must fail this request, not the poll thread
+        elif isinstance(item, BaseException):  # a handler bug must fail this request, not the poll thread
             request.fail(RequestError(f"validate failed: {item!r}", ErrorCode.HANDLER_ERROR))
         else:
             request.item = item
             _price(handler, request)
 
 
-def _validate_one(handler: Handler, payload: object) -> object:
+def _contained(hook: Callable[[Any], Any], argument: Any) -> Any:
+    """``hook(argument)``, or what it raised. Anything but KeyboardInterrupt: a ``sys.exit`` in a handler's library
+    must not end the poll thread."""
     try:
-        return handler.validate(payload)
-    except Exception as exc:
+        return hook(argument)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
         return exc
 
 
 def _price(handler: Handler, request: Request) -> None:
-    try:
-        tokens = handler.cost(request.item)
-    except Exception as exc:
-        request.fail(RequestError(f"cost failed: {exc!r}", ErrorCode.HANDLER_ERROR))
+    tokens = _contained(handler.cost, request.item)
+    if isinstance(tokens, BaseException):
+        request.fail(RequestError(f"cost failed: {tokens!r}", ErrorCode.HANDLER_ERROR))
         return
     # bool is an int subclass: True is not a token count.
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):

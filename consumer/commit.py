@@ -61,12 +61,10 @@ class PartitionLedger:
             return self.position
         return min(self.position, self.gap)
 
-    def track(self, offset: int) -> bool:
-        if offset <= self.last_tracked:
-            return False  # already consumed once in this assignment: a redelivery
+    def track(self, offset: int) -> None:
+        """Register ``offset``, above every offset tracked before (``OffsetTracker.track`` sees to it)."""
         self.last_tracked = offset
         self._pending.append(offset)
-        return True
 
     def finish(self, offset: int) -> None:
         self._done.add(offset)
@@ -107,16 +105,32 @@ class OffsetTracker:
     def track(self, key: PartitionKey, offset: int) -> PartitionLedger | None:
         """Register a consumed record; it counts as in flight until ``finish`` or ``abandon``.
 
-        None (and not registered) when its partition is not assigned to this member, or the record was
-        tracked already: a record fetched before a revoke can still come out of the same ``consume()`` call
-        that ran the revoke. Serving it would answer a request the next owner also serves, and commit a
-        partition this member no longer owns; the caller drops it.
+        None (and not registered) when its partition is not assigned to this member: a record fetched before a
+        revoke can still come out of the same ``consume()`` call that ran the revoke. Serving it would answer a
+        request the next owner also serves, and commit a partition this member no longer owns; the caller drops it.
+
+        A record at or below the last one tracked means the consumer went back (kinference never seeks back: a
+        truncated log, or ``auto.offset.reset`` after an out-of-range offset). Dropping it, as a redelivery, would
+        skip the records that are there now, and never commit them; instead the partition gets a new ledger that
+        starts at it (the old one is detached, as on a revoke: its late answers move no commit), and it is logged.
         """
         with self._cond:
             ledger = self._ledgers.get(key)
-            if ledger is None or not ledger.track(offset):
+            if ledger is None:
                 return None
-            return ledger
+            rewound = offset <= ledger.last_tracked
+            if rewound:
+                old, ledger = ledger, PartitionLedger(key)
+                old.attached = False
+                self._ledgers[key] = ledger
+                self._committed.pop(key, None)
+            ledger.track(offset)
+        if rewound:
+            log.warning("%s[%d]: the consumer went back from offset %d to %d (a truncated log, or auto.offset.reset "
+                        "after an out-of-range offset); the partition's ledger restarts there, and %d requests in "
+                        "flight before it no longer move its commit position", key[0], key[1], old.last_tracked,
+                        offset, old.in_flight)
+        return ledger
 
     def check_position(self, key: PartitionKey, position: int) -> None:
         """The consumer says the next record of ``key`` it will hand over is at ``position``: every record

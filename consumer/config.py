@@ -10,6 +10,7 @@ message that names the field.
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -119,6 +120,7 @@ class ModelSpec(BaseModel):
     max_batch_bytes: int | None = Field(None, ge=1)
     micro_batch_size: int | None = Field(None, ge=1)
     parallelism: Parallelism | None = None
+    handler_timeout_s: float | None = Field(None, gt=0, le=86_400)
 
     _split = field_validator("request_topics", mode="before")(_split_csv)
     _pairs = field_validator("handler_options", mode="before")(_key_values)
@@ -241,6 +243,12 @@ class ServiceConfig(BaseModel):
         None, ge=1, description="Split batches into micro-batches of this size (default: no split)."
     )
     parallelism: Parallelism = Field(Parallelism(), description="Threads per stage.")
+    handler_timeout_s: float = Field(
+        300.0, gt=0, le=86_400, description="The longest one preprocess, inference or postprocess call may run: "
+        "past it the micro-batch's requests get handler_timeout (and are dead-lettered), and the model is unhealthy "
+        "(/healthz 503 naming it; kinference serve exits 1). The default leaves room for a first CUDA or "
+        "torch.compile compile of a new batch shape and for a cold cache.",
+    )
     torch_threads: int | None = Field(
         None, ge=1, le=1024, description="torch intra-op threads (default: torch's own, one per core).",
     )
@@ -300,7 +308,8 @@ class ServiceConfig(BaseModel):
     )
     producer_stall_timeout_s: float | None = Field(
         None, gt=0, description="Replace the producer after no successful delivery for this long with records "
-        "outstanding (default: librdkafka's delivery timeout, message.timeout.ms, plus 30 s).",
+        "outstanding (default: librdkafka's delivery timeout, message.timeout.ms, plus 30 s; never when "
+        "message.timeout.ms is 0, no limit).",
     )
     lag_interval_s: float = Field(
         5.0, gt=0, le=3600, description="How often kinference_consumer_lag is refreshed from the broker.",
@@ -456,12 +465,25 @@ class ServiceConfig(BaseModel):
         for key, value in self.consumer_config().items():
             if key in _PINNED_CONSUMER and value != _PINNED_CONSUMER[key]:
                 raise ValueError(f"{key} must stay {_PINNED_CONSUMER[key]}: kinference commits offsets itself")
+        if (self.delivery == "exactly-once"
+                and self.consumer_config().get("isolation.level", "").lower() == "read_uncommitted"):
+            raise ValueError(
+                "isolation.level=read_uncommitted with delivery exactly-once would serve the requests of aborted "
+                "producer transactions, requests that never happened, and commit their replies: remove it (the "
+                "default read_committed), or use delivery at-least-once")
         producer = self.producer_config()
         for key, allowed in _PINNED_PRODUCER.items():
             if producer.get(key, allowed[0]).lower() not in allowed:
                 raise ValueError(f"{key} must stay {allowed[0]}: without it a reply can be lost or written twice "
                                  "by the producer's own retries")
-        delivery_timeout_s = self.delivery_timeout_ms / 1000
+        delivery_timeout_s = self.delivery_timeout_ms / 1000 or math.inf  # librdkafka: 0 is no limit
+        if self.producer_stall_timeout_s is not None and delivery_timeout_s == math.inf:
+            raise ValueError(
+                "producer_stall_timeout_s cannot be set with message.timeout.ms=0: librdkafka then never times a "
+                "delivery out, so no wait is long enough to tell a dead producer from a slow broker, and replacing "
+                "the idempotent producer gives up its de-duplication; leave it unset (the producer is then replaced "
+                "only on a fatal error), or set a message.timeout.ms"
+            )
         if self.producer_stall_timeout_s is not None and self.producer_stall_timeout_s <= delivery_timeout_s:
             raise ValueError(
                 f"producer_stall_timeout_s ({self.producer_stall_timeout_s:g}) must exceed librdkafka's delivery "
@@ -541,6 +563,15 @@ class ServiceConfig(BaseModel):
         """Request topic -> the name of the model that serves its records."""
         return {topic: spec.name for spec in self.models for topic in spec.request_topics}
 
+    def warnings(self) -> list[str]:
+        """Settings that are allowed but trade something away, in words, for the log at start."""
+        found = []
+        if self.consumer_config().get("auto.offset.reset", "").lower() in ("latest", "largest", "end"):
+            found.append("auto.offset.reset=latest: a partition without a committed offset (a new group, or offsets "
+                         "expired or out of range after a lost group or a truncated log) starts at its end, and the "
+                         "requests before it are never answered; the default earliest answers them")
+        return found
+
     @property
     def dead_letter_max_bytes(self) -> int:
         """The largest record kinference writes for a request it accepts: the dead letter of a maximal request."""
@@ -572,8 +603,13 @@ class ServiceConfig(BaseModel):
 
     @property
     def stall_timeout_s(self) -> float:
+        """How long no successful delivery, with records outstanding, means a dead producer: librdkafka's delivery
+        timeout plus 30 s, so that a slow delivery is never mistaken for one; never (infinity) when that timeout is
+        0, which librdkafka takes as no limit."""
         if self.producer_stall_timeout_s is not None:
             return self.producer_stall_timeout_s
+        if self.delivery_timeout_ms == 0:
+            return math.inf
         return self.delivery_timeout_ms / 1000 + 30.0
 
     def reply_topic_allowed(self, topic: str) -> bool:

@@ -1,10 +1,10 @@
 """HTTP endpoints for operators: ``/metrics`` (Prometheus), ``/healthz`` (alive) and ``/readyz`` (serving).
 
-``/healthz`` answers 200 while every service thread runs and the producer has no fatal error (a
-liveness probe restarts the pod otherwise). ``/readyz`` answers 200 once the model is loaded and
-warmed, the member has joined the group and a broker connection is up. A member with no partitions is
-ready (a standby that takes partitions over when another member leaves), and a rebalance does not make
-it unready. Both return a JSON body saying why.
+``/healthz`` answers 200 while every service thread runs, no handler call ran over ``handler_timeout_s``
+(one check per model, named after it) and the producer has no fatal error (a liveness probe restarts the pod
+otherwise). ``/readyz`` answers 200 once the model is loaded and warmed, the member has joined the group and a
+broker connection is up. A member with no partitions is ready (a standby that takes partitions over when another
+member leaves), and a rebalance does not make it unready. Both return a JSON body saying why.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -40,11 +41,14 @@ import numpy as np
 import orjson
 
 from kinference.errors import RequestError
-from kinference.protocol import ErrorCode, PayloadFormat
+from kinference.protocol import MODEL, MODEL_VERSION, ErrorCode, PayloadFormat
 
 RequestFormat = Literal["auto", "kinference", "oip"]
 MODEL_HEADER = "mlserver-model"
 VERSION_HEADER = "mlserver-version"
+_MODEL_HEADERS = frozenset({MODEL, MODEL_VERSION, MODEL_HEADER, VERSION_HEADER})
+MAX_DIMENSIONS = 8
+"""The most dimensions an input tensor's ``shape`` may have (the batch dimension included)."""
 DATATYPES = {"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
              "FP64", "BYTES"}
 _NUMPY_DATATYPES = {np.dtype(np.bool_): "BOOL", np.dtype(np.float16): "FP16", np.dtype(np.float32): "FP32",
@@ -100,11 +104,10 @@ def decode(value: bytes | None, key: bytes | None, headers: dict[str, bytes | No
            payload_format: PayloadFormat, fallback_id: str) -> tuple[Any, OipCall]:
     """(the handler's payload, the call) of an OIP request; ``RequestError`` for a request that is not one, or
     names another model."""
-    named = _header(headers, MODEL_HEADER)
+    named, version = named_model(headers.items())
     if named is not None and named != model.name:
         raise RequestError(f"model {named!r} is not served here (this service serves {model.name!r})",
                            ErrorCode.MODEL_NOT_FOUND)
-    version = _header(headers, VERSION_HEADER)
     if version is not None and model.version is not None and version != model.version:
         raise RequestError(f"model {model.name!r} version {version!r} is not served here (version "
                            f"{model.version!r} is)", ErrorCode.MODEL_NOT_FOUND)
@@ -116,12 +119,13 @@ def decode(value: bytes | None, key: bytes | None, headers: dict[str, bytes | No
     if not isinstance(body, dict) or not isinstance(body.get("inputs"), list) or not body["inputs"]:
         raise RequestError('an OIP InferenceRequest is an object with a non-empty "inputs" list',
                            ErrorCode.BAD_REQUEST)
+    _parameters(body, "the request")
     request_id_ = request_id(key, body, fallback_id)
     outputs = body.get("outputs")
     if outputs is not None and (not isinstance(outputs, list)
                                 or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs)):
         raise RequestError('"outputs" must be a list of {"name": ...}', ErrorCode.BAD_REQUEST)
-    inputs = [_input(item) for item in body["inputs"]]
+    inputs = [_input(item, len(value or b"")) for item in body["inputs"]]
     call = OipCall(request_id_, model, tuple(o["name"] for o in outputs) if outputs is not None else None)
     if payload_format == "json":
         return {name: value for name, value, _ in inputs}, call
@@ -143,24 +147,30 @@ def request_id(key: bytes | None, body: dict[str, Any], fallback: str) -> str:
     return given if isinstance(given, str) and given else fallback
 
 
-def _input(item: Any) -> tuple[str, Any, bytes | None]:
-    """(name, value without the batch dimension, raw bytes of a one-element BYTES input) of one input tensor."""
+def _input(item: Any, request_bytes: int) -> tuple[str, Any, bytes | None]:
+    """(name, value without the batch dimension, raw bytes of a one-element BYTES input) of one input tensor.
+
+    The shape is bounded before any arithmetic on it (at most ``MAX_DIMENSIONS``, each no larger than the
+    request's ``request_bytes``: one element takes at least a byte of JSON): 45,000 dimensions of 2**64-1 once
+    cost seconds of big-integer products in the poll thread. What is left is linear in the request's bytes."""
     if not isinstance(item, dict):
         raise RequestError("each OIP input is an object", ErrorCode.BAD_REQUEST)
     name, shape, datatype, data = item.get("name"), item.get("shape"), item.get("datatype"), item.get("data")
-    where = f"input {name!r}"
     if not isinstance(name, str) or not name:
         raise RequestError('each OIP input needs a "name"', ErrorCode.BAD_REQUEST)
-    if not (isinstance(shape, list) and shape and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                      for d in shape)):
-        raise RequestError(f'{where}: "shape" must be a non-empty list of sizes', ErrorCode.BAD_REQUEST)
-    if datatype not in DATATYPES:
-        raise RequestError(f'{where}: "datatype" {datatype!r} is not one of {", ".join(sorted(DATATYPES))}',
+    where = f"input {name[:100]!r}"
+    if not (isinstance(shape, list) and 0 < len(shape) <= MAX_DIMENSIONS
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= request_bytes for d in shape)):
+        raise RequestError(f'{where}: "shape" must be a list of 1 to {MAX_DIMENSIONS} sizes, none larger than the '
+                           f"request's {request_bytes} bytes can hold", ErrorCode.BAD_REQUEST)
+    if not isinstance(datatype, str) or datatype not in DATATYPES:
+        raise RequestError(f'{where}: "datatype" {str(datatype)[:20]!r} is not one of {", ".join(sorted(DATATYPES))}',
                            ErrorCode.BAD_REQUEST)
     if shape[0] != 1:
         raise RequestError(f"{where}: shape {shape}: one record is one item, so the first dimension must be 1 "
                            "(send one record per item: kinference batches them)", ErrorCode.BAD_REQUEST)
-    flat = _flatten(data)
+    parameters = _parameters(item, where)
+    flat = _flatten(data, shape, where)
     if len(flat) != math.prod(shape):
         raise RequestError(f"{where}: shape {shape} holds {math.prod(shape)} elements, data has {len(flat)}",
                            ErrorCode.BAD_REQUEST)
@@ -173,24 +183,40 @@ def _input(item: Any) -> tuple[str, Any, bytes | None]:
     value = flat[0] if len(flat) == 1 else np.asarray(flat, dtype=object).reshape(shape[1:]).tolist()
     raw = None
     if datatype == "BYTES" and len(flat) == 1:
-        content_type = (item.get("parameters") or {}).get("content_type")
-        raw = _base64(flat[0], where) if content_type == "base64" else flat[0].encode("utf-8")
+        raw = _base64(flat[0], where) if parameters.get("content_type") == "base64" else flat[0].encode("utf-8")
     return name, value, raw
 
 
-def _flatten(data: Any) -> list[Any]:
+def _parameters(holder: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ``parameters`` object of the request or of an input; empty when there is none."""
+    parameters = holder.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise RequestError(f'{where}: "parameters" must be an object', ErrorCode.BAD_REQUEST)
+    return parameters
+
+
+def _flatten(data: Any, shape: list[int], where: str) -> list[Any]:
+    """The elements of ``data`` in row-major order: ``data`` is flat, or nested exactly as ``shape`` says (every
+    list at depth d holds ``shape[d]`` items; ragged data is refused). Iterative, and no deeper than the shape."""
     if not isinstance(data, list):
         raise RequestError('"data" must be a list (flat, or nested row-major)', ErrorCode.BAD_REQUEST)
+    if not any(isinstance(element, list) for element in data):
+        return data
     flat: list[Any] = []
-    stack = [iter(data)]
-    while stack:
-        for element in stack[-1]:
-            if isinstance(element, list):
-                stack.append(iter(element))
-                break
-            flat.append(element)
+    pending = [(data, 0)]
+    while pending:
+        part, depth = pending.pop()
+        last = depth == len(shape) - 1
+        if (not isinstance(part, list) or len(part) != shape[depth]
+                or any(isinstance(element, list) != (not last) for element in part)):
+            raise RequestError(f'{where}: nested "data" must match the shape {shape} (not ragged)',
+                               ErrorCode.BAD_REQUEST)
+        if last:
+            flat.extend(part)
         else:
-            stack.pop()
+            pending.extend((element, depth + 1) for element in reversed(part))
     return flat
 
 
@@ -201,14 +227,20 @@ def _base64(text: str, where: str) -> bytes:
         raise RequestError(f"{where}: not valid base64: {exc}", ErrorCode.BAD_REQUEST) from exc
 
 
-def _header(headers: dict[str, bytes | None], name: str) -> str | None:
-    raw = headers.get(name)
-    if raw is None:
-        return None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError(f"header {name} is not UTF-8", ErrorCode.BAD_REQUEST) from exc
+def named_model(headers: Iterable[tuple[str, bytes | None]]) -> tuple[str | None, str | None]:
+    """(model, version) a record's headers name, None where they name none. kinference's own headers take
+    precedence over MLServer's: ``kinference-model`` over ``mlserver-model``, ``kinference-model-version`` over
+    ``mlserver-version``; of a repeated header the last value counts (as Kafka clients read it). ``RequestError``
+    (``bad_request``) for a value that is not UTF-8."""
+    found: dict[str, str] = {}
+    for name, raw in headers:
+        if name in _MODEL_HEADERS and raw is not None:
+            try:
+                found[name] = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RequestError(f"header {name} is not UTF-8", ErrorCode.BAD_REQUEST) from exc
+    return (found.get(MODEL, found.get(MODEL_HEADER)),
+            found.get(MODEL_VERSION, found.get(VERSION_HEADER)))
 
 
 def _outputs(result: Any) -> list[dict[str, Any]]:

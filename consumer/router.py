@@ -3,9 +3,10 @@
 
 A record is for, in this order:
 
-1. the model its headers name: ``kinference-model`` (and ``kinference-model-version``), or MLServer's
-   ``mlserver-model`` (and ``mlserver-version``). A name or version this process does not serve is the request's
-   ``model_not_found``, never another model's guess;
+1. the model its headers name: ``kinference-model`` (and ``kinference-model-version``), else MLServer's
+   ``mlserver-model`` (and ``mlserver-version``): kinference's header wins where both are set
+   (``oip.named_model``). A name or version this process does not serve is the request's ``model_not_found``,
+   never another model's guess;
 2. else the model its request topic is mapped to (``models[].request_topics``);
 3. else the default model: the first one configured.
 
@@ -21,8 +22,6 @@ from kinference.consumer import oip
 from kinference.errors import RequestError
 from kinference.protocol import MODEL, MODEL_VERSION, ErrorCode, PayloadFormat
 
-_NAME_HEADERS = (MODEL, oip.MODEL_HEADER)
-_VERSION_HEADERS = (MODEL_VERSION, oip.VERSION_HEADER)
 NO_MODEL = "none"
 """The ``model`` metric label of a request that no model served (unreadable, or naming an unknown model)."""
 
@@ -58,8 +57,7 @@ class Router:
     def route(self, topic: str, headers: list[tuple[str, bytes | None]]) -> ModelRoute:
         """The record's model; ``RequestError`` (``model_not_found``, or ``bad_request`` for a header that is not
         UTF-8) when its headers name one this process does not serve."""
-        name = _last(headers, _NAME_HEADERS)
-        version = _last(headers, _VERSION_HEADERS)
+        name, version = oip.named_model(headers)
         if name is None:
             route = self._by_topic.get(topic, self.default)
         else:
@@ -72,14 +70,3 @@ class Router:
                                f"{route.version!r} is)", ErrorCode.MODEL_NOT_FOUND)
         return route
 
-
-def _last(headers: list[tuple[str, bytes | None]], names: tuple[str, ...]) -> str | None:
-    """The last value of any of ``names`` (Kafka clients read the last of repeated headers)."""
-    found = None
-    for name, raw in headers:
-        if name in names and raw is not None:
-            try:
-                found = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise RequestError(f"header {name} is not UTF-8", ErrorCode.BAD_REQUEST) from exc
-    return found

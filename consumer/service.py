@@ -2,7 +2,9 @@
 
 Each served model (one by default, several with ``models``) has its own handler, batcher and stage threads; the
 source, the publisher, the commit ledger and the device are the process's. The source's decoder routes each
-record to its model (``consumer/router.py``), and ``_route`` hands it to that model's batcher.
+record to its model (``consumer/router.py``), and ``_route`` hands it to that model's batcher, unless that model
+already holds its share of ``max_in_flight`` (then the request is answered ``overloaded`` at once: the partitions
+are shared, and pausing them for one slow or stuck model would hold up the others).
 
 Start order: the stages first (each inference thread warms the model up), then the publisher, the source last,
 so that nothing is consumed before the model is ready and there is somewhere to send replies.
@@ -44,8 +46,9 @@ from kinference.consumer.share import ShareLedger, ShareSource
 from kinference.consumer.source import Committer, Source
 from kinference.consumer.stages import Pipeline
 from kinference.consumer.transactions import MemberSlot, TransactionalPublisher
-from kinference.errors import ConfigError
+from kinference.errors import ConfigError, RequestError
 from kinference.handlers import Handler, HandlerContext, load_handler
+from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -72,10 +75,24 @@ class LoadedModel:
     route: ModelRoute | None = None
     batcher: Batcher | None = None
     pipeline: Pipeline | None = None
+    max_in_flight: int | None = None
+    """With several models, the most requests this model may hold (waiting in its batcher or in its stages);
+    None with one model, where flow control's pause is the only bound."""
 
     @property
     def name(self) -> str:
         return self.route.name if self.route is not None else self.config.handler
+
+    def saturation(self) -> RequestError | None:
+        """Why a new request for this model is refused at once: it holds its share of ``max_in_flight``. Pausing
+        the partitions instead would hold up every other model's requests on them."""
+        if self.max_in_flight is None:
+            return None
+        held = self.batcher.waiting + self.pipeline.in_progress  # type: ignore[union-attr]
+        if held < self.max_in_flight:
+            return None
+        return RequestError(f"model {self.name!r} is saturated: {held} of its requests are in flight, its share of "
+                            "max_in_flight (--max-in-flight / number of models)", ErrorCode.OVERLOADED)
 
 
 def resolve_device(spec: str) -> str:
@@ -135,6 +152,8 @@ class Service:
             raise
 
     def _start(self, config: ServiceConfig) -> Service:
+        for warning in config.warnings():
+            log.warning("%s", warning)
         self.tracing = self._open_tracing(config)  # first: a missing package fails before the model loads
         device = resolve_device(config.device)
         if config.torch_threads is not None:
@@ -248,7 +267,10 @@ class Service:
             wake=batcher.wake,
             tracing=self.tracing,
             model=name,
+            handler_timeout_s=settings.handler_timeout_s,
         )
+        if len(self.models) > 1:
+            model.max_in_flight = max(1, self.config.max_in_flight // len(self.models))
 
     @property
     def handler(self) -> Handler:
@@ -310,8 +332,9 @@ class Service:
             return {"process": True}
         return {
             "source": self.source.alive,  # type: ignore[union-attr]
-            "stages": all(model.pipeline.healthy for model in self.models),  # type: ignore[union-attr]
             "publisher": self.publisher.alive and self.publisher.failure is None,  # type: ignore[union-attr]
+            # One check per model, named after it: an orchestrator's log of the failed probe says which model hung.
+            **{f"model {model.name}": model.pipeline.healthy for model in self.models},  # type: ignore[union-attr]
         }
 
     def readiness_checks(self) -> dict[str, bool]:
@@ -337,6 +360,8 @@ class Service:
             reasons.append(f"consumer: {self.source.fatal.str()}")
         if self.publisher is not None and self.publisher.failure is not None:
             reasons.append(f"publisher: {self.publisher.failure}")
+        reasons += [model.pipeline.stuck for model in self.models
+                    if model.pipeline is not None and model.pipeline.stuck is not None]
         return reasons
 
     def stop(self, grace_s: float | None = None) -> None:
@@ -395,9 +420,13 @@ class Service:
 
     def _route(self, request: Request) -> None:
         if request.ok:
-            self._by_name[request.model.name].batcher.put(request)  # type: ignore[union-attr]
-        else:
-            self._reply_now(request)
+            model = self._by_name[request.model.name]  # type: ignore[union-attr]
+            refusal = model.saturation()
+            if refusal is None:
+                model.batcher.put(request)  # type: ignore[union-attr]
+                return
+            request.fail(refusal)
+        self._reply_now(request)
 
     def _discard(self, partitions: list[tuple[str, int]]) -> list[Request]:
         """The requests of revoked partitions that no model has started on, out of every model's batcher."""

@@ -45,21 +45,43 @@ class Abandoned(Exception):
     offsets stay uncommitted and it is served again after a restart)."""
 
 
+MAX_RESULT_DEPTH = 254
+"""The deepest nesting of lists and dicts in a result: orjson writes no deeper, so a deeper result could not be
+answered anyway; ``finite`` stops there instead of walking (or, recursing, overflowing) further."""
+
+
 def finite(value: Any) -> bool:
-    """No NaN or infinity anywhere in a result (floats, numpy arrays, nested lists and dicts)."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(finite(item) for item in value.values())
-    if isinstance(value, list | tuple):
-        if value and isinstance(value[0], float):
-            try:
-                return all(map(math.isfinite, value))  # fast path: a vector of floats
-            except TypeError:
-                pass  # mixed contents: check item by item
-        return all(finite(item) for item in value)
-    if isinstance(value, np.ndarray | np.floating):
-        return value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
+    """No NaN or infinity anywhere in a result (floats, numpy arrays, nested lists and dicts). ``RequestError``
+    (``handler_error``) for a result nested deeper than ``MAX_RESULT_DEPTH``.
+
+    Iterative, with its own stack: a handler's result is untrusted (an echo of a hostile request is one), and a
+    recursive walk failed every request of the micro-batch with a RecursionError. A container met twice (shared,
+    or holding itself) is walked once."""
+    pending: list[tuple[Any, int]] = [(value, 0)]
+    seen: set[int] = set()
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                return False
+        elif isinstance(value, dict | list | tuple):
+            if depth >= MAX_RESULT_DEPTH:
+                raise RequestError(f"result is nested deeper than {MAX_RESULT_DEPTH} levels", ErrorCode.HANDLER_ERROR)
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            items = value.values() if isinstance(value, dict) else value
+            if not isinstance(value, dict) and value and isinstance(value[0], float):
+                try:
+                    if not all(map(math.isfinite, value)):  # fast path: a vector of floats
+                        return False
+                    continue
+                except TypeError:
+                    pass  # mixed contents: check item by item
+            pending.extend((item, depth + 1) for item in items)
+        elif (isinstance(value, np.ndarray | np.floating) and value.dtype.kind in "fc"
+              and not np.isfinite(value).all()):
+            return False
     return True
 
 
@@ -92,6 +114,9 @@ class MicroBatch:
     outputs: Any = None
     trace: BatchTrace | None = None
     """The micro-batch's span (``consumer.tracing``); None when tracing is off."""
+    settled: bool = False
+    """Its requests were handed on to be answered (``Pipeline._settle``): once, by the last stage or by the
+    handler timeout, whichever comes first."""
 
     def fail_active(self, error: RequestError) -> None:
         for request in self.active:
@@ -127,8 +152,12 @@ class StagePool:
         self._work = work
         self._forward = forward
         self._threads = [
-            threading.Thread(target=self._run, name=f"kinference-{name}-{i}", daemon=True) for i in range(threads)
+            threading.Thread(target=self._run, args=(i,), name=f"kinference-{name}-{i}", daemon=True)
+            for i in range(threads)
         ]
+        self._calls: list[tuple[float, MicroBatch] | None] = [None] * threads
+        """Per thread, the handler call it is in: (``time.monotonic()`` at its start, its micro-batch). Each thread
+        writes only its own slot."""
         self.crashed: list[str] = []
         self._prepare = prepare
         self._prepared = threading.Semaphore(0)
@@ -168,7 +197,11 @@ class StagePool:
     def alive(self) -> bool:
         return all(thread.is_alive() for thread in self._threads)
 
-    def _run(self) -> None:
+    def started_before(self, moment: float) -> list[tuple[float, MicroBatch]]:
+        """The handler calls running now that started before ``moment``: (start, micro-batch)."""
+        return [call for call in list(self._calls) if call is not None and call[0] < moment]
+
+    def _run(self, index: int) -> None:
         try:
             if self._prepare is not None:
                 self._prepare()
@@ -179,7 +212,7 @@ class StagePool:
             self._prepared.release()
         try:
             while (micro_batch := self.inbox.get()) is not _STOP:
-                self._process(micro_batch)
+                self._process(micro_batch, index)
         except Abandoned:
             return
         except BaseException as exc:  # a stage thread must never die silently
@@ -187,13 +220,23 @@ class StagePool:
             log.critical("stage thread %s died", threading.current_thread().name, exc_info=True)
             raise
 
-    def _process(self, micro_batch: MicroBatch) -> None:
+    def _process(self, micro_batch: MicroBatch, index: int) -> None:
         try:
             if micro_batch.active:
                 started = time.perf_counter()
-                self._work(micro_batch)
+                self._calls[index] = (time.monotonic(), micro_batch)
+                try:
+                    self._work(micro_batch)
+                finally:
+                    self._calls[index] = None
                 self._seconds.observe(time.perf_counter() - started)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            # Whatever the handler raises fails this micro-batch alone: SystemExit too (library code calls
+            # sys.exit; letting it end the thread left the micro-batch unanswered and, after each restart, crashed
+            # the service again on the same records), and GeneratorExit, which means something only inside a
+            # generator being closed, and this is none. Only KeyboardInterrupt is the operator's.
             log.warning("%s failed for a micro-batch of %d requests: %r", self.name, len(micro_batch.active), exc,
                         exc_info=log.isEnabledFor(logging.DEBUG), extra=about(micro_batch.requests[0]))
             micro_batch.fail_active(RequestError(f"{self.name} failed: {exc!r}", ErrorCode.HANDLER_ERROR))
@@ -225,13 +268,23 @@ class Pipeline:
         wake: Callable[[], None] = lambda: None,
         tracing: Tracing | None = None,
         model: str = DEFAULT_MODEL,
+        handler_timeout_s: float | None = None,
     ) -> None:
         """``next_batch(timeout_s, only_full)`` blocks until a batch is due (``Batcher.next_batch``); while
         ``only_full()`` is true it may return only a full batch. ``wake()`` makes it look again: called when an
         inference thread frees up. ``observe(work, seconds)`` learns the cost of each inference call
         (``Batcher.observe``). ``tracing``, when on, records a span per micro-batch and per stage call. ``model``
-        names the served model in the metrics."""
+        names the served model in the metrics and in errors. ``handler_timeout_s``: the longest a handler call may
+        run (``_watch``); None: no limit."""
         self._handler = handler
+        self._model = model
+        self._handler_timeout_s = handler_timeout_s
+        self.stuck: str | None = None
+        """Why the model is unhealthy: a handler call ran over the timeout (for good: the orchestrator restarts
+        the process, the only way to get the thread back)."""
+        self._settle_lock = threading.Lock()
+        self._in_progress = 0
+        """Requests taken from the batcher and not yet handed on to be answered."""
         self._tracing = tracing
         self._observe = observe
         self._metrics = metrics = metrics or Metrics()
@@ -271,6 +324,8 @@ class Pipeline:
                               preprocess_threads, depth, metrics, self._abandon, model=model)
         self._pools = (self._pre, self._infer, self._post)
         self._dispatcher = threading.Thread(target=self._dispatch, name="kinference-dispatch", daemon=True)
+        self._watchdog = (None if handler_timeout_s is None
+                          else threading.Thread(target=self._watch, name=f"kinference-watchdog-{model}", daemon=True))
 
     def start(self) -> None:
         """Start the stage threads, once every inference thread has warmed the model up (its error, if
@@ -285,6 +340,8 @@ class Pipeline:
                 pool.stop(time.monotonic() + 5.0)
             raise
         self._dispatcher.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop taking batches; finish those already taken within ``timeout_s``. False when a stage thread is
@@ -305,7 +362,55 @@ class Pipeline:
 
     @property
     def healthy(self) -> bool:
-        return self._dispatcher.is_alive() and all(pool.alive for pool in self._pools)
+        return self.stuck is None and self._dispatcher.is_alive() and all(pool.alive for pool in self._pools)
+
+    @property
+    def in_progress(self) -> int:
+        """Requests taken from the batcher and not yet handed on to be answered."""
+        return self._in_progress
+
+    def _watch(self) -> None:
+        """Answer the requests of a handler call that runs longer than ``handler_timeout_s`` with
+        ``handler_timeout`` (and a dead letter), at once, without waiting for the call, and mark the model
+        unhealthy. The call goes on in its thread (Python cannot stop it); if it ever returns, its micro-batch
+        passes the remaining stages empty and is not answered again (``_settle``)."""
+        limit = self._handler_timeout_s
+        assert limit is not None
+        while not self._stopping.wait(min(1.0, limit / 4)):
+            now = time.monotonic()
+            for pool in self._pools:
+                for started, micro_batch in pool.started_before(now - limit):
+                    self._time_out(pool.name, micro_batch, now - started)
+
+    def _time_out(self, stage: str, micro_batch: MicroBatch, running_s: float) -> None:
+        error = RequestError(f"{stage} of model {self._model!r} ran {running_s:.1f} s, over handler_timeout_s "
+                             f"({self._handler_timeout_s:g} s)", ErrorCode.HANDLER_TIMEOUT)
+        if not self._settle(micro_batch, error):
+            return  # it finished meanwhile
+        self.stuck = self.stuck or error.message
+        log.error("%s; %d requests answered with handler_timeout; the model is unhealthy", error.message,
+                  len(micro_batch.requests), extra=about(micro_batch.requests[0]))
+        self._hand_on(micro_batch)
+
+    def _settle(self, micro_batch: MicroBatch, error: RequestError | None = None) -> bool:
+        """Claim ``micro_batch`` for answering: True once, for whichever comes first, the last stage or the
+        timeout. With ``error``, its requests still ok fail with it and are dead-lettered."""
+        with self._settle_lock:
+            if micro_batch.settled:
+                return False
+            micro_batch.settled = True
+            if error is not None:
+                for request in micro_batch.active:
+                    request.dead_letter = True
+                micro_batch.fail_active(error)
+            return True
+
+    def _hand_on(self, micro_batch: MicroBatch) -> None:
+        if micro_batch.trace is not None:
+            micro_batch.trace.span.end()
+        with self._settle_lock:
+            self._in_progress -= len(micro_batch.requests)
+        self._emit(micro_batch.requests)
 
     def _dispatch(self) -> None:
         while not self._stopping.is_set():
@@ -320,6 +425,8 @@ class Pipeline:
                 self._slots.release()
                 continue
             self._batch_size.observe(len(batch))
+            with self._settle_lock:
+                self._in_progress += len(batch)
             parts = [batch[i : i + self._micro] for i in range(0, len(batch), self._micro)]
             with self._running_lock:
                 self._running += 1
@@ -373,25 +480,28 @@ class Pipeline:
             count = len(results) if isinstance(results, list) else type(results).__name__
             raise RequestError(f"postprocess returned {count} results for {len(micro_batch.active)} requests")
         for request, result in zip(micro_batch.active, results, strict=True):
-            if isinstance(result, RequestError):
-                request.fail(result)
-            elif not finite(result):
-                # JSON has no NaN or infinity (orjson would write null): a client must not mistake
-                # a broken output for a value.
-                request.fail(RequestError("result holds NaN or infinity", ErrorCode.HANDLER_ERROR))
-            else:
-                try:
-                    request.reply_value = (encode_result(result) if request.reply_format is None
-                                           else request.reply_format.response(result))
-                except TypeError as exc:
-                    request.fail(RequestError(f"result is not JSON-serialisable: {exc}", ErrorCode.HANDLER_ERROR))
-                except RequestError as exc:  # e.g. an OIP request asked for an output the result does not have
-                    request.fail(exc)
+            try:
+                request.reply_value = _reply_value(request, result)
+            except RequestError as exc:  # this result alone: e.g. an OIP request asked for an output it lacks
+                request.fail(exc)
 
     def _emit_micro_batch(self, micro_batch: MicroBatch) -> None:
-        if micro_batch.trace is not None:
-            micro_batch.trace.span.end()
-        self._emit(micro_batch.requests)
+        if self._settle(micro_batch):
+            self._hand_on(micro_batch)
+
+
+def _reply_value(request: Request, result: Any) -> bytes:
+    """The reply value of one result; ``RequestError`` when it cannot be one."""
+    if isinstance(result, RequestError):
+        raise result
+    if not finite(result):
+        # JSON has no NaN or infinity (orjson would write null): a client must not mistake a broken output for a
+        # value.
+        raise RequestError("result holds NaN or infinity", ErrorCode.HANDLER_ERROR)
+    try:
+        return encode_result(result) if request.reply_format is None else request.reply_format.response(result)
+    except TypeError as exc:
+        raise RequestError(f"result is not JSON-serialisable: {exc}", ErrorCode.HANDLER_ERROR) from exc
 
 
 def _untraced(_name: str, work: Callable[[MicroBatch], None]) -> Callable[[MicroBatch], None]:

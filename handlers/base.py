@@ -18,8 +18,9 @@ The service calls:
 4. ``postprocess(outputs, items)`` in a postprocess thread: exactly one JSON-serialisable result per
    item, in order. Put an ``InvalidInput`` (or any ``RequestError``) in a slot to fail that item only.
 
-An exception from ``preprocess``/``inference``/``postprocess`` fails every request of that micro-batch
-with ``handler_error``; the service keeps running.
+An exception from ``preprocess``/``inference``/``postprocess`` (any, ``SystemExit`` included; only
+``KeyboardInterrupt`` is not contained) fails every request of that micro-batch with ``handler_error``; the
+service keeps running.
 """
 
 from __future__ import annotations

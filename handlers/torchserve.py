@@ -4,7 +4,8 @@ directory). Needs ``pip install 'kinference[torchserve]'`` (TorchServe's Python 
 What happens as in TorchServe:
 
 - The archive's ``MAR-INF/MANIFEST.json`` names the handler, the serialized file, the model file and the extra
-  files; the archive is extracted to a temporary directory, which goes first on ``sys.path``. The handler is
+  files; the archive is extracted to a temporary directory, which goes first on ``sys.path`` while the handler
+  loads and initializes (each archive has its own import root: see ``_import_root``). The handler is
   loaded by TorchServe's own model loader: a module of the archive (``handler.py``, ``handler.py:function``)
   or a stock handler by name (``base_handler``, ``image_classifier``...), and ``initialize(context)`` is
   called once.
@@ -41,6 +42,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import re
 import sys
 import threading
@@ -69,7 +71,7 @@ try:
     from ts.metrics.metric_type_enum import MetricTypes
     from ts.model_loader import TsModelLoader
     from ts.torch_handler.base_handler import BaseHandler
-    from ts.utils.util import PredictionException, get_yaml_config
+    from ts.utils.util import PredictionException
 except ImportError as exc:  # kinference[torchserve] is not installed: the handler says so at setup
     _MISSING: ImportError | None = exc
     Context = MetricCacheAbstract = object  # the classes below are then defined but never instantiated
@@ -122,7 +124,7 @@ class TorchServeHandler(Handler):
         self._resources = ExitStack()
         try:
             self.archive = self._resources.enter_context(opened(context.model))
-            self.context, self.entry_point = self._resources.enter_context(_loaded(self.archive, context))
+            self.context, self.entry_point = _loaded(self.archive, context)
         except BaseException:
             self._resources.close()
             raise
@@ -223,28 +225,43 @@ class StageContext(Context):
             self.request_processor = self.request_ids = None
 
 
-@contextmanager
-def _loaded(archive: Archive, context: HandlerContext) -> Iterator[tuple[StageContext, Callable[..., Any]]]:
-    """The archive's handler loaded as TorchServe's worker loads it, with the model directory first on
-    ``sys.path`` until exit, and its context after ``initialize``."""
+def _loaded(archive: Archive, context: HandlerContext) -> tuple[StageContext, Callable[..., Any]]:
+    """The archive's handler loaded as TorchServe's worker loads it, in the archive's own import root, and its
+    context after ``initialize``."""
     directory = str(archive.directory.resolve())
-    sys.path.insert(0, directory)
-    try:
+    with _import_root(directory):
         _forget_other_copies(archive, directory)
         entry_point, initialize = _entry_point(archive)
         gpu_id = int(context.device.partition(":")[2] or 0) if context.device.startswith("cuda") else None
         metrics = PrometheusMetrics(context.registry or CollectorRegistry(), archive.name)
-        config_file = archive.model.get("configFile")
+        # The archive's own reader: configFile is read from inside the archive only (TorchServe's get_yaml_config
+        # would follow "../x.yaml" out of it).
         stage_context = StageContext(archive.name, directory, archive.manifest, context.max_batch_size, gpu_id,
-                                     ts.__version__, True, metrics,
-                                     get_yaml_config(f"{directory}/{config_file}") if config_file else {})
+                                     ts.__version__, True, metrics, archive.config())
         try:
             initialize(stage_context)
         except Exception as exc:
             raise HandlerLoadError(f"torchserve: {archive.handler}'s initialize failed: {exc!r}") from exc
-        yield stage_context, entry_point
+    return stage_context, entry_point
+
+
+@contextmanager
+def _import_root(directory: str) -> Iterator[None]:
+    """``directory`` first on ``sys.path`` while the archive's code loads; on exit it leaves ``sys.path``, and every
+    module loaded from it leaves ``sys.modules`` (the handler keeps what it imported). So each archive's modules
+    resolve inside that archive, and two archives of one process never share one: archives reuse names such as
+    ``helpers`` (TorchServe runs one model per process), and an entry left behind made the next archive run the
+    first one's code. A module of the archive imported inside a call, after ``initialize``, is therefore not
+    found: import them at module level or in ``initialize``."""
+    sys.path.insert(0, directory)
+    try:
+        yield
     finally:
         sys.path.remove(directory)
+        inside = directory + os.sep
+        for name, module in list(sys.modules.items()):
+            if str(getattr(module, "__file__", None) or "").startswith(inside):
+                del sys.modules[name]
 
 
 def _entry_point(archive: Archive) -> tuple[Callable[..., Any], Callable[[Any], None]]:
@@ -272,9 +289,8 @@ def _module_file(handler: str) -> str:
 
 
 def _forget_other_copies(archive: Archive, directory: str) -> None:
-    """A module of the archive's handler or model file, imported from another directory, would be reused by the
-    import system instead of this archive's (TorchServe runs one model per process, so archives reuse names such
-    as ``handler`` or ``model``): drop it."""
+    """A module of the archive's handler or model file imported from outside any archive (other archives' modules
+    leave ``sys.modules`` once loaded) would be reused by the import system instead of this archive's: drop it."""
     for file in (_module_file(archive.handler), archive.model.get("modelFile") or ""):
         module = sys.modules.get(Path(file).stem)
         if module is not None and not str(getattr(module, "__file__", "")).startswith(directory):

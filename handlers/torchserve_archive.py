@@ -16,7 +16,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
@@ -55,7 +55,7 @@ class Archive:
     def config(self) -> dict[str, Any]:
         """The archive's model-config YAML (``--config-file`` of torch-model-archiver); empty when none."""
         name = self.model.get("configFile")
-        return _yaml(name, (self.directory / name).read_bytes()) if name else {}
+        return _yaml(name, _read_member(_directory_reader(self.directory), name, self.directory)) if name else {}
 
 
 @contextmanager
@@ -84,7 +84,7 @@ def batch_settings(model: Path, ts_config: Path | None = None) -> dict[str, Any]
     read = _reader(model)
     manifest = _manifest(model, read)
     config_file = manifest.get("model", {}).get("configFile")
-    model_config = _yaml(config_file, read(config_file)) if config_file else {}
+    model_config = _yaml(config_file, _read_member(read, config_file, model)) if config_file else {}
     settings = _from_model_config(model_config)
     if ts_config is not None:
         name = manifest.get("model", {}).get("modelName") or model.stem
@@ -151,6 +151,26 @@ def _manifest(model: Path, read: Callable[[str], bytes]) -> dict[str, Any]:
     return manifest
 
 
+def _read_member(read: Callable[[str], bytes], name: Any, model: Path) -> bytes:
+    """A file the manifest names (``configFile``), read from inside the archive only: a path that is not relative,
+    or climbs out with ``..``, is refused, as is one the archive does not hold."""
+    if not isinstance(name, str) or not _inside_name(name):
+        raise HandlerLoadError(f"torchserve: {MANIFEST} of {model} names {name!r}, which is not a path inside the "
+                               "archive")
+    try:
+        return read(name)
+    except (KeyError, OSError) as exc:
+        raise HandlerLoadError(f"torchserve: {MANIFEST} of {model} names {name!r}, which the archive does not "
+                               f"hold ({exc!r})") from exc
+
+
+def _inside_name(name: str) -> bool:
+    """A member name that stays inside the directory it is extracted to, whatever that directory holds: relative,
+    not empty, with no ``..`` part."""
+    path = PurePosixPath(name.replace("\\", "/"))
+    return bool(name) and not path.is_absolute() and ".." not in path.parts
+
+
 def _yaml(name: str, data: bytes) -> dict[str, Any]:
     try:
         config = yaml.safe_load(data) or {}
@@ -186,14 +206,38 @@ def _reader(model: Path) -> Callable[[str], bytes]:
 
 
 def _directory_reader(directory: Path) -> Callable[[str], bytes]:
-    return lambda name: (directory / name).read_bytes()
+    root = directory.resolve()
+
+    def read(name: str) -> bytes:
+        path = (directory / name).resolve()
+        if not path.is_relative_to(root):  # a symlink in an extracted directory pointing out of it
+            raise FileNotFoundError(f"{name} resolves outside {directory}")
+        return path.read_bytes()
+    return read
 
 
 def _extract(model: Path, into: Path) -> None:
+    """Every member checked first, then extracted: an archive holding a link (symbolic or hard), a device or any
+    other special file, or a name that leaves ``into``, is refused before anything is written. tarfile's own
+    ``filter="data"`` is not enough: on Python before 3.11.13/3.12.11 a chain of symlinks longer than PATH_MAX
+    gets past it and writes outside (CVE-2025-4517), and a TorchServe archive needs no links."""
     _reader(model)  # the same checks and messages as for reading
     if zipfile.is_zipfile(model):
         with zipfile.ZipFile(model) as archive:
-            archive.extractall(into)  # zipfile drops absolute paths and ".." from member names
+            _check_members(model, [(info.filename, True) for info in archive.infolist()])
+            archive.extractall(into)
     else:
         with tarfile.open(model) as archive:
-            archive.extractall(into, filter="data")  # refuses links and paths that leave ``into``
+            members = archive.getmembers()
+            _check_members(model, [(member.name, member.isfile() or member.isdir()) for member in members])
+            archive.extractall(into, members=members, filter="data")
+
+
+def _check_members(model: Path, members: list[tuple[str, bool]]) -> None:
+    """``members``: (name, whether it is a plain file or directory) of each member."""
+    for name, plain in members:
+        if not plain:
+            raise HandlerLoadError(f"torchserve: {model} holds {name!r}, a link or special file: refused (a model "
+                                   "archive needs none, and links can write outside the extraction directory)")
+        if not _inside_name(name):
+            raise HandlerLoadError(f"torchserve: {model} holds {name!r}, a path outside the archive: refused")

@@ -80,6 +80,8 @@ def parse_properties(text: str) -> dict[str, str]:
 
 MAX_ERROR_MESSAGE = 1000
 """Error messages are cut to this many characters in replies and dead-letter headers."""
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects a JSON request value may have; a deeper one gets ``bad_request``."""
 
 
 class ErrorCode(StrEnum):
@@ -92,9 +94,13 @@ class ErrorCode(StrEnum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     """The ``kinference-deadline-ms`` deadline passed before the request was computed."""
     OVERLOADED = "overloaded"
-    """Shed unanswered: the request was older than ``max_queue_ms`` when the service got to it."""
+    """Shed unanswered: the request was older than ``max_queue_ms`` when the service got to it, or (several models)
+    its model held its share of ``max_in_flight``."""
     HANDLER_ERROR = "handler_error"
     """The handler raised, or returned outputs that do not match its inputs."""
+    HANDLER_TIMEOUT = "handler_timeout"
+    """A handler call (preprocess, inference or postprocess) of the request's micro-batch ran longer than
+    ``handler_timeout_s``; the model is then unhealthy, and the record is dead-lettered."""
     REPLY_TOPIC_NOT_ALLOWED = "reply_topic_not_allowed"
     """The request named a reply topic outside the service's allow-list; the error reply goes to the default
     reply topic instead."""

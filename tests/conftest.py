@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -148,3 +149,11 @@ def spans():
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     yield provider, exporter
     provider.shutdown()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The slowest decode each hostile-input fuzz pass saw (tests/unit/test_fuzz_hostile.py), when it ran."""
+    fuzz = sys.modules.get("tests.unit.test_fuzz_hostile")
+    if fuzz is not None:
+        for line in fuzz.slowest_lines():
+            terminalreporter.write_line(line)

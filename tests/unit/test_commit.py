@@ -127,13 +127,23 @@ def test_records_of_partitions_not_assigned_are_refused():
     assert tracker.in_flight == 0 and tracker.commit_offsets() == []
 
 
-def test_a_record_consumed_twice_in_one_assignment_is_tracked_once():
+def test_a_consumer_that_went_back_restarts_the_ledger_instead_of_skipping_the_records(caplog):
+    """Issue 20 (also check): a backwards reset (a truncated log, auto.offset.reset after an out-of-range offset)
+    was taken for redeliveries: every record up to the last tracked offset was dropped, never served."""
     tracker = OffsetTracker()
     tracker.assign([P0])
-    first, again = make_request(offset=5), make_request(offset=5)
-    assert track(tracker, first) and not track(tracker, again)
-    tracker.finish([first])
-    assert positions(tracker) == {P0: 6} and tracker.in_flight == 0
+    old = [make_request(offset=offset) for offset in (100, 101)]
+    for request in old:
+        track(tracker, request)
+    tracker.finish(old[:1])
+    assert positions(tracker) == {P0: 101}
+    tracker.committed(tracker.commit_offsets())
+    again = [make_request(offset=offset) for offset in (50, 51)]
+    assert all(track(tracker, request) for request in again)
+    assert "went back from offset 101 to 50" in caplog.text
+    assert tracker.in_flight == 2  # the new ledger's; the old one's late answer moves nothing
+    tracker.finish([*again, old[1]])
+    assert positions(tracker) == {P0: 52} and tracker.in_flight == 0
 
 
 def test_an_offset_the_consumer_passed_untracked_is_never_committed_over():

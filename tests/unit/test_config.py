@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from kinference.consumer.cli import build_parser
@@ -205,3 +207,33 @@ def test_topic_plan_and_max_message_bytes_hold_a_maximal_dead_letter():
     assert load_config({"topic_config": [f"max.message.bytes={needed}"]}, environ={}).topic_config
     with pytest.raises(ConfigError, match=f"must hold the dead letter of a maximal request.*= {needed}"):
         load_config({"topic_config": [f"max.message.bytes={needed - 1}"]}, environ={})
+
+
+def test_handler_timeout_has_a_flag_an_env_var_and_a_per_model_value():
+    assert ServiceConfig().handler_timeout_s == 300.0
+    assert load_config(environ={"KINFERENCE_HANDLER_TIMEOUT_S": "12.5"}).handler_timeout_s == 12.5
+    config = load_config({"handler_timeout_s": 60, "models": [{"name": "a", "handler": "echo", "handler_timeout_s": 5},
+                                                              {"name": "b", "handler": "echo"}]}, environ={})
+    assert [model.handler_timeout_s for model in config.model_configs()] == [5.0, 60.0]
+    with pytest.raises(ConfigError, match="handler_timeout_s"):
+        load_config({"handler_timeout_s": 0}, environ={})
+
+
+def test_an_infinite_delivery_timeout_never_counts_as_a_stalled_producer():
+    """Issue 20, defect 11: message.timeout.ms=0 (librdkafka: no limit) gave a stall timeout of 30 s, so after any
+    outage over 30 s the idempotent producer was replaced, against the documented rule."""
+    unlimited = {"kafka_producer": {"message.timeout.ms": "0"}}
+    assert load_config(unlimited, environ={}).stall_timeout_s == math.inf
+    with pytest.raises(ConfigError, match=r"message\.timeout\.ms=0"):
+        load_config({**unlimited, "producer_stall_timeout_s": 60}, environ={})
+    assert load_config({"kafka_producer": {"delivery.timeout.ms": "10000"}}, environ={}).stall_timeout_s == 40.0
+
+
+def test_settings_that_trade_guarantees_away_are_refused_or_warned_about():
+    with pytest.raises(ConfigError, match="read_uncommitted with delivery exactly-once"):
+        load_config({"delivery": "exactly-once", "kafka_consumer": {"isolation.level": "read_uncommitted"}},
+                    environ={})
+    assert load_config({"kafka_consumer": {"isolation.level": "read_uncommitted"}}, environ={}).warnings() == []
+    assert ServiceConfig().warnings() == []
+    (warning,) = load_config({"kafka": {"auto.offset.reset": "latest"}}, environ={}).warnings()
+    assert "never answered" in warning

@@ -115,11 +115,11 @@ def test_a_batch_of_only_broken_files_gets_an_error_each(handler: ImageClassific
 
 @pytest.mark.parametrize(("payload", "message"), [
     (b"", "empty request"),
-    (b"this is not an image", "not an image Pillow can read"),
+    (b"this is not an image", "not a JPEG, PNG, WEBP image"),
     (b'{"text": "hello"}', 'expected {"image": "<base64 of the image bytes>"}'),
     (b'{"image": "***"}', '"image" is not valid base64'),
     (b'{"image": ', "starts like JSON but is not valid JSON"),
-    (make_picture(64, 64, "GIF"), "image format GIF is not one of JPEG, PNG, WEBP"),
+    (make_picture(64, 64, "GIF"), "not a JPEG, PNG, WEBP image"),
     (png_claiming(8000, 6000), "8000x6000: more than the limit of 40,000,000 pixels"),
     (png_claiming(100_000, 100_000), "DecompressionBombError"),
     (png_claiming(30_000, 20), "a side is over 20000"),
@@ -175,3 +175,21 @@ def test_any_decoder_error_fails_only_its_own_image(scripted: Path, monkeypatch:
     results = classify(handler, [make_picture(320, 240), damaged])
     assert "labels" in results[0]
     assert isinstance(results[1], InvalidInput) and "IndexError" in str(results[1])
+
+
+def with_extra_scans(jpeg: bytes, extra: int) -> bytes:
+    """A progressive JPEG with its last scan (SOS segment and data) repeated ``extra`` times before the EOI."""
+    last = jpeg.rindex(b"\xff\xda")
+    return jpeg[:last] + jpeg[last:-2] * (extra + 1) + jpeg[-2:]
+
+
+def test_a_jpeg_with_more_scans_than_the_limit_is_refused_from_its_bytes_alone(handler) -> None:
+    """Issue 20, defect 6: a 319 KB progressive JPEG (4000x4000 header, within max_pixels) with 8,000 extra scans
+    held a preprocess thread for 9.1 s, and the cost grows with the scans. The scans are counted at validate."""
+    progressive = io.BytesIO()
+    Image.frombytes("RGB", (64, 64), bytes(range(256)) * 48).save(progressive, "JPEG", progressive=True)
+    normal = progressive.getvalue()
+    assert handler.validate(normal).format == "JPEG"  # libjpeg's own progressive script: 10 scans
+    bomb = with_extra_scans(normal, 8000)
+    with pytest.raises(InvalidInput, match="more than the limit of 64"):
+        handler.validate(bomb)

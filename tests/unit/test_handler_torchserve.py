@@ -4,7 +4,12 @@ metrics. End to end through a broker: tests/integration/test_torchserve.py."""
 
 from __future__ import annotations
 
+import io
+import sys
+import tarfile
+import tempfile
 import threading
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -237,3 +242,86 @@ def test_archives_that_reuse_a_module_name_each_get_their_own(tmp_path):
         finally:
             handler.close()
     assert answers == [["first"], ["second"]]
+
+
+def symlink_chain_archive(path: Path) -> Path:
+    """CVE-2025-4517's archive: a chain of symlinks longer than PATH_MAX, so that ``os.path.realpath`` (and with it
+    tarfile's ``filter="data"``) stops resolving, then a link through it to the extraction directory's parent and a
+    file written through that link."""
+    component, steps, at = "d" * 247, "abcdefghijklmnop", ""
+    with tarfile.open(path, "w:gz") as tar:
+        manifest = orjson.dumps({"model": {"modelName": "x", "handler": "handler.py"}})
+        member = tarfile.TarInfo("MAR-INF/MANIFEST.json")
+        member.size = len(manifest)
+        tar.addfile(member, io.BytesIO(manifest))
+        for step in steps:
+            directory = tarfile.TarInfo(f"{at}{component}")
+            directory.type = tarfile.DIRTYPE
+            link = tarfile.TarInfo(f"{at}{step}")
+            link.type, link.linkname = tarfile.SYMTYPE, component
+            tar.addfile(directory)
+            tar.addfile(link)
+            at += component + "/"
+        deep = "/".join(steps) + "/" + "l" * 254
+        for name, target in ((deep, "../" * len(steps)), ("escape", deep + "/..")):
+            link = tarfile.TarInfo(name)
+            link.type, link.linkname = tarfile.SYMTYPE, target
+            tar.addfile(link)
+        payload = tarfile.TarInfo("escape/written-outside")
+        payload.size = 3
+        tar.addfile(payload, io.BytesIO(b"pwn"))
+    return path
+
+
+def test_an_archive_with_links_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """Issue 20, defect 4: on Python 3.11.7 the archive above got past ``filter="data"`` and wrote a file outside
+    the extraction directory (the start then failed, but the file was written)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where opened() extracts: scratch/kinference-mar-*
+    archive = symlink_chain_archive(tmp_path / "evil.tar.gz")
+    with pytest.raises(HandlerLoadError, match="a link or special file"), opened(archive):
+        pass
+    assert sorted(path.name for path in scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("config_file", ["../outside.yaml", "/etc/hostname", "missing.yaml"])
+def test_a_config_file_outside_the_archive_or_missing_is_a_configuration_error(tmp_path, config_file):
+    """Issue 20, defect 10: ``configFile: "../x.yaml"`` was read from outside the archive (by ``Archive.config()``
+    and TorchServe's ``get_yaml_config``), and one missing from a zip escaped ``load_config`` as a KeyError."""
+    (tmp_path / "outside.yaml").write_text("batchSize: 7\n")
+    mar = tmp_path / "model.mar"
+    with zipfile.ZipFile(mar, "w") as archive:
+        archive.writestr("MAR-INF/MANIFEST.json", orjson.dumps({"model": {
+            "modelName": "x", "handler": "handler.py", "configFile": config_file}}))
+    with pytest.raises(ConfigError, match=r"not a path inside the archive|does not hold"):
+        load_config({"handler": "torchserve", "model": str(mar)}, environ={})
+    with pytest.raises(HandlerLoadError), opened(mar) as opened_archive:
+        opened_archive.config()
+    directory = tmp_path / "extracted"
+    (directory / "MAR-INF").mkdir(parents=True)
+    (directory / "MAR-INF" / "MANIFEST.json").write_bytes(orjson.dumps({"model": {
+        "modelName": "x", "handler": "handler.py", "configFile": config_file}}))
+    with pytest.raises(HandlerLoadError), opened(directory) as opened_archive:
+        opened_archive.config()
+
+
+def test_two_archives_served_at_once_each_run_their_own_helper_modules(tmp_path):
+    """Issue 20, defect 5: archives A and B both ship ``helpers.py``; B's replies said ``{"archive": "A"}``, since
+    only handler and model-file modules were cleared and every archive stayed on ``sys.path``."""
+    handlers = []
+    try:
+        for name in ("A", "B"):
+            mar = tmp_path / f"{name}.mar"
+            with zipfile.ZipFile(mar, "w") as archive:
+                archive.writestr("MAR-INF/MANIFEST.json", orjson.dumps({"model": {
+                    "modelName": name, "handler": "handler.py"}}))
+                archive.writestr("handler.py", "import helpers\n\ndef handle(data, context):\n"
+                                               "    return None if data is None else [helpers.ARCHIVE] * len(data)\n")
+                archive.writestr("helpers.py", f"ARCHIVE = {name!r}\n")
+            handlers.append(served(mar))
+        assert [run(handler, [request(1)]) for handler in handlers] == [["A"], ["B"]]
+        assert "helpers" not in sys.modules and not any("kinference-mar-" in entry for entry in sys.path)
+    finally:
+        for handler in handlers:
+            handler.close()

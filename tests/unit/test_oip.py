@@ -153,3 +153,55 @@ def test_requests_and_responses_are_mlservers_types():
     every_kind = orjson.loads(oip.OipCall("8", MODEL, None).response(
         {"a": 1, "b": "s", "c": [{"x": 1}], "d": [True, False], "e": np.zeros((2, 2), dtype=np.int32)}))
     assert len(mlserver.InferenceResponse(**every_kind).outputs) == 5
+
+
+def test_a_shape_bomb_is_a_bad_request_refused_before_any_arithmetic(monkeypatch):
+    """Issue 20, defect 2: a 945 KB request whose shape has 45,000 dimensions of 2**64-1 cost about 10 s of
+    big-integer products in the poll thread, twice, and was answered internal_error. The shape is bounded before
+    any arithmetic now: every product is taken over at most MAX_DIMENSIONS sizes no larger than the request."""
+    products = []
+
+    def prod(shape):
+        products.append(list(shape))
+        assert len(shape) <= oip.MAX_DIMENSIONS and max(shape) <= len(body), "a product over an unbounded shape"
+        return np.prod(shape, dtype=object)
+
+    monkeypatch.setattr(oip.math, "prod", prod)
+    body = orjson.dumps({"inputs": [{"name": "x", "shape": [1] + [2**64 - 1] * 45_000, "datatype": "FP32",
+                                     "data": [1.0]}]})
+    assert len(body) > 900_000
+    with pytest.raises(RequestError) as raised:
+        oip.decode(body, None, {}, MODEL, "json", "c")
+    assert raised.value.code == ErrorCode.BAD_REQUEST and "1 to 8 sizes" in raised.value.message
+    assert products == []
+    # A shape within the bounds is still checked against the data, over a bounded product.
+    wide = orjson.dumps({"inputs": [{"name": "x", "shape": [1, 2, 3], "datatype": "FP32", "data": [1.0] * 6}]})
+    body = wide
+    assert oip.decode(wide, None, {}, MODEL, "json", "c")[0] == {"x": [[1.0] * 3] * 2}
+    assert products == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    # Issue 20, defect 9: both were internal_error (an AttributeError, numpy's "maximum supported dimension").
+    ({"inputs": [{"name": "t", "shape": [1], "datatype": "BYTES", "data": ["a"], "parameters": [1]}]},
+     '"parameters" must be an object'),
+    ({"parameters": [1], "inputs": [{"name": "t", "shape": [1], "datatype": "BYTES", "data": ["a"]}]},
+     '"parameters" must be an object'),
+    ({"inputs": [{"name": "t", "shape": [1, 2**64 - 1, 0], "datatype": "FP32", "data": []}]}, "sizes"),
+    ({"inputs": [{"name": "t", "shape": [1] * 9, "datatype": "FP32", "data": [1]}]}, "1 to 8 sizes"),
+    ({"inputs": [{"name": "t", "shape": [0], "datatype": [], "data": []}]}, '"datatype" '),  # found by the fuzz pass
+    # Ragged data: nested data must match the shape it claims (it was reshaped from its flattened elements).
+    ({"inputs": [{"name": "t", "shape": [1, 2, 2], "datatype": "FP32", "data": [[[1, 2, 3], [4]]]}]}, "ragged"),
+    ({"inputs": [{"name": "t", "shape": [1, 4], "datatype": "FP32", "data": [[1, 2], [3, 4]]}]}, "ragged"),
+    ({"inputs": [{"name": "t", "shape": [1, 2], "datatype": "FP32", "data": [[1, [2]]]}]}, "ragged"),
+])
+def test_malformed_requests_are_bad_requests_never_internal_errors(body, message):
+    decoder = RequestDecoder("replies", 10_000, model=MODEL)
+    decoded = decoder.decode(FakeRecord(orjson.dumps(body), headers=MLSERVER_HEADERS))
+    assert decoded.error.code == ErrorCode.BAD_REQUEST and message in decoded.error.message
+
+
+def test_nested_data_matching_the_shape_is_read_row_major():
+    body = orjson.dumps({"inputs": [{"name": "t", "shape": [1, 2, 2], "datatype": "INT64",
+                                     "data": [[[1, 2], [3, 4]]]}]})
+    assert oip.decode(body, None, {}, MODEL, "json", "c")[0] == {"t": [[1, 2], [3, 4]]}

@@ -173,3 +173,22 @@ def test_an_ok_request_without_a_result_gets_an_internal_error_reply_not_a_crash
     request = DECODER.decode(FakeRecord(b"1"))
     value = orjson.loads(requests.reply_value(request))
     assert value["error"]["code"] == "internal_error" and request.error.code == ErrorCode.INTERNAL_ERROR
+
+
+def test_a_request_nested_deeper_than_the_limit_is_a_bad_request_at_decode():
+    """Issue 20, defect 1: an 807-byte ``{"x": [[[...400 deep...]]]}`` was decoded, and then failed its whole
+    micro-batch in the stages. It is refused at decode time now, alone."""
+    decoder = requests.RequestDecoder("replies", max_request_bytes=1000)
+    deep = b'{"x": ' + b"[" * 400 + b"]" * 400 + b"}"
+    request = decoder.decode(FakeRecord(deep))
+    assert request.error.code == ErrorCode.BAD_REQUEST and request.dead_letter
+    assert f"deeper than {protocol.MAX_JSON_DEPTH}" in request.error.message
+    at_limit = b"[" * protocol.MAX_JSON_DEPTH + b"]" * protocol.MAX_JSON_DEPTH
+    assert decoder.decode(FakeRecord(at_limit)).ok
+    # Many brackets side by side are no nesting.
+    assert decoder.decode(FakeRecord(b"[" + b",".join([b"[[1]]"] * 100) + b"]")).ok
+
+
+def test_nested_within_counts_lists_and_objects():
+    assert requests.nested_within(1, 0) and requests.nested_within([], 1) and not requests.nested_within([], 0)
+    assert requests.nested_within({"a": [{"b": []}]}, 4) and not requests.nested_within({"a": [{"b": []}]}, 3)

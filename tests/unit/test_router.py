@@ -95,3 +95,16 @@ def test_with_models_the_single_model_flags_are_refused():
     with pytest.raises(ConfigError) as raised:
         load_config({"handler": "echo", "model_name": "x", "models": '[{"name": "a"}]'})
     assert "remove handler, model_name" in str(raised.value)
+
+
+def test_kinference_model_takes_precedence_over_mlserver_model():
+    """Issue 20, defect 9: with ``mlserver-model: e1`` and ``kinference-model: e2`` the request was told "model 'e1'
+    is not served here" although e1 was served (the router took e2, OIP decoding then checked e1 against it)."""
+    e1 = ModelRoute("e1", None, "json", oip.ServedModel("e1"))
+    e2 = ModelRoute("e2", None, "json", oip.ServedModel("e2"))
+    decoder = RequestDecoder("replies", 10_000, router=Router([e1, e2]))
+    body = orjson.dumps({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]})
+    for headers in ([(oip.MODEL_HEADER, b"e1"), (MODEL, b"e2")], [(MODEL, b"e2"), (oip.MODEL_HEADER, b"e1")]):
+        decoded = decoder.decode(FakeRecord(body, headers=headers))
+        assert decoded.ok and decoded.model is e2 and decoded.payload == {"text": "hi"}
+    assert oip.named_model([(oip.VERSION_HEADER, b"1"), (MODEL_VERSION, b"2"), (oip.MODEL_HEADER, b"a")]) == ("a", "2")

@@ -1,5 +1,6 @@
 import math
 import queue
+import sys
 import threading
 import time
 
@@ -8,7 +9,7 @@ import pytest
 
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
-from kinference.consumer.stages import Pipeline, finite
+from kinference.consumer.stages import MAX_RESULT_DEPTH, Pipeline, finite
 from kinference.errors import InvalidInput, RequestError
 from kinference.handlers.base import Handler
 from tests.fakes import make_request, wait_for
@@ -55,9 +56,18 @@ class SquareHandler(Handler):
                 results.append({"y": object()})  # not JSON-serialisable
             elif item == -5:
                 results.append({"y": math.nan})
+            elif item == -6:
+                results.append(deeply_nested(400))
             else:
                 results.append({"y": out})
         return results
+
+
+def deeply_nested(depth):
+    value = [1.0]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
 
 
 def run_pipeline(handler, batches, *, micro=None, threads=(1, 1, 1), max_batch_size=64):
@@ -149,6 +159,56 @@ def test_exception_fails_only_its_micro_batch_and_pipeline_keeps_running():
     assert "model exploded" in poisoned[0].error.message
     assert [reply(r) for r in healthy] == [{"y": 25}, {"y": 36}, {"y": 49}, {"y": 64}]
     assert reply(later[0]) == {"y": 81}
+
+
+def test_a_deeply_nested_result_fails_only_its_own_request():
+    """Issue 20, defect 1: the finiteness check recursed, and a 400-deep result failed its whole micro-batch."""
+    batch = [make_request({"x": v}) for v in (1, -6, 2)]
+    run_pipeline(SquareHandler(), [batch])
+    assert reply(batch[0]) == {"y": 1} and reply(batch[2]) == {"y": 4}
+    assert batch[1].error.code == "handler_error" and "nested deeper than" in batch[1].error.message
+
+
+def test_finite_is_iterative_and_bounded_in_depth():
+    assert finite(deeply_nested(MAX_RESULT_DEPTH))
+    with pytest.raises(RequestError, match="nested deeper than"):
+        finite(deeply_nested(100_000))
+    cycle = [1.0]
+    cycle.append(cycle)
+    cycle.append(cycle)
+    assert finite(cycle)
+
+
+@pytest.mark.parametrize("raised", [SystemExit, GeneratorExit, BaseExceptionGroup])
+def test_a_handler_raising_a_base_exception_fails_its_micro_batch_and_the_pipeline_keeps_serving(raised):
+    """Issue 20, defect 8: a ``SystemExit`` from a handler killed the inference thread, and the micro-batch was
+    never answered."""
+
+    class Raising(SquareHandler):
+        def inference(self, inputs):
+            if -7 in inputs:
+                raise raised("boom") if raised is not BaseExceptionGroup else raised("boom", [SystemExit(1)])
+            return super().inference(inputs)
+
+    poisoned = [make_request({"x": v}) for v in (1, -7)]
+    later = [make_request({"x": 3})]
+    run_pipeline(Raising(), [poisoned, later])
+    assert {r.error.code for r in poisoned} == {"handler_error"}
+    assert raised.__name__ in poisoned[0].error.message
+    assert reply(later[0]) == {"y": 9}
+
+
+def test_a_validate_calling_sys_exit_fails_its_own_request_in_admission():
+    class ExitingValidate(SquareHandler):
+        def validate(self, payload):
+            if payload == {"x": -7}:
+                sys.exit(3)
+            return super().validate(payload)
+
+    requests = [make_request({"x": v}) for v in (1, -7, 2)]
+    admit(ExitingValidate(), requests)
+    assert [r.item for r in requests] == [1, None, 2]
+    assert requests[1].error.code == "handler_error" and "SystemExit" in requests[1].error.message
 
 
 def test_wrong_number_of_outputs_fails_every_request_of_the_micro_batch():
@@ -314,3 +374,58 @@ def test_a_busy_inference_thread_gets_a_full_batch_queued_behind_it_but_never_a_
         handler.release.set()
         pipeline.stop(5)
     assert [request.batch_size for request in emitted] == [1, 4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("stage", ["preprocess", "inference", "postprocess"])
+def test_a_handler_call_over_the_timeout_is_answered_with_handler_timeout_once_and_the_model_is_unhealthy(stage):
+    """Issue 20, defect 7: a hung handler call held its requests (and, through max_in_flight, every partition)
+    forever, and health stayed good. Its requests are answered at the timeout now, as dead letters too; the
+    model turns unhealthy; and when the call returns at last, nothing is answered twice."""
+    release = threading.Event()
+
+    class Hanging(SquareHandler):
+        def preprocess(self, items):
+            if stage == "preprocess" and 13 in items:
+                release.wait(10)
+            return super().preprocess(items)
+
+        def inference(self, inputs):
+            if stage == "inference" and 13 in inputs:
+                release.wait(10)
+            return super().inference(inputs)
+
+        def postprocess(self, outputs, items):
+            if stage == "postprocess" and 13 in items:
+                release.wait(10)
+            return super().postprocess(outputs, items)
+
+    pending = queue.Queue()
+    stuck, later = [make_request({"x": v}) for v in (13, 2)], [make_request({"x": 3})]
+    for batch in (stuck, later):
+        admit(Hanging(), batch)
+        pending.put(batch)
+    emitted = []
+
+    def next_batch(timeout_s, only_full):
+        try:
+            return pending.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+
+    pipeline = Pipeline(Hanging(), next_batch, emitted.extend, inference_threads=2, max_batch_size=8,
+                        model="m", handler_timeout_s=0.3)
+    pipeline.start()
+    try:
+        assert wait_for(lambda: all(any(r is e for e in emitted) for r in stuck), 5), len(emitted)
+        assert {r.error.code for r in stuck} == {"handler_timeout"} and all(r.dead_letter for r in stuck)
+        assert f"{stage} of model 'm'" in stuck[0].error.message
+        assert "handler_timeout_s (0.3 s)" in stuck[0].error.message
+        assert not pipeline.healthy and "model 'm'" in pipeline.stuck
+        release.set()
+        assert wait_for(lambda: len(emitted) == 3 and pipeline.in_progress == 0, 5)
+        time.sleep(0.2)
+        assert len(emitted) == 3 and reply(later[0]) == {"y": 9}
+        assert {r.error.code for r in stuck} == {"handler_timeout"}
+    finally:
+        release.set()
+        pipeline.stop(5)
