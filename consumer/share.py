@@ -40,6 +40,7 @@ from kinference.consumer.config import ServiceConfig
 from kinference.consumer.intake import Intake, PartitionKey
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
+from kinference.consumer.source import is_fatal
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ class ShareSource:
         log.info("share consumer closed")
 
     def _on_record_error(self, error: KafkaError) -> None:
-        if error.fatal():
+        if is_fatal(error):
             self._on_client_error(error)
             return
         log.error("consume error: %s", error)
@@ -256,7 +257,7 @@ class ShareSource:
     def _on_client_error(self, error: KafkaError) -> None:
         if error.code() == KafkaError._ALL_BROKERS_DOWN:
             self.broker_up = False
-        if error.fatal():
+        if is_fatal(error):
             self.fatal = error
             self._fatal_errors.inc()
             log.critical("share consumer fatal error: %s; stopping", error)

@@ -44,6 +44,13 @@ _POLL_S = 0.05
 _ERROR_BACKOFF_S = 0.5
 
 
+def is_fatal(error: KafkaError) -> bool:
+    """Whether a consumer error ends the member. A fatal error that a fetch carries (static membership fenced by a
+    newer instance) comes as code ``_FATAL`` with ``fatal()`` false: seen on Apache Kafka, where the member then
+    served on as a zombie instead of exiting."""
+    return error.fatal() or error.code() == KafkaError._FATAL
+
+
 class Committer(Protocol):
     """How answered offsets are committed: ``commit.ConsumerCommitter`` or the transactional publisher."""
 
@@ -181,7 +188,7 @@ class Source:
     def _on_record_error(self, error: KafkaError) -> None:
         if error.code() == KafkaError._PARTITION_EOF:
             return
-        if error.fatal():
+        if is_fatal(error):
             self._on_client_error(error)
             return
         log.error("consume error: %s", error)
@@ -189,7 +196,7 @@ class Source:
     def _on_client_error(self, error: KafkaError) -> None:
         if error.code() == KafkaError._ALL_BROKERS_DOWN:
             self.broker_up = False
-        if error.fatal():
+        if is_fatal(error):
             self.fatal = error
             self._fatal_errors.inc()
             log.critical("consumer fatal error: %s; stopping", error)

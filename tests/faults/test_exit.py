@@ -62,3 +62,28 @@ def test_a_request_nothing_can_answer_stops_the_service_with_exit_code_1(fault_s
     assert code == 1, member.tail()
     assert member.said("cannot answer the request") and member.said("exit code 1"), member.tail()
     assert committed(settings.bootstrap, settings.group_id, [(topic, 0)])[(topic, 0)] <= 1
+
+
+@pytest.mark.timeout(120)
+def test_a_static_member_fenced_by_a_newer_instance_exits_with_code_1(fault_settings, broker):
+    """Static membership: a second process with the same ``group.instance.id`` takes the member's place, and the
+    broker fences the first (FENCED_INSTANCE_ID, a fatal consumer error): it exits 1 instead of serving on as a
+    zombie, and the newer instance serves. Apache Kafka only: neither Tansu nor the mock cluster fences a static
+    member (tests/unit/test_source.py shows the fatal path with a fake consumer)."""
+    if broker.kind != "kafka":
+        pytest.skip(f"the {broker.kind} broker never fences a static member: run with KINFERENCE_TEST_BROKER=kafka")
+    settings = fault_settings(1, extra=("--kafka-consumer", f"group.instance.id=static-{uuid.uuid4().hex[:8]}"))
+    with Group(settings) as group:
+        older = group.start("older")
+        group.wait_stable(40)
+        newer = group.start("newer")
+        code = older.wait_exit(60)
+        produce(settings.bootstrap, settings.topics["requests"], [(None, orjson.dumps({"seq": 1}), [])])
+        deadline = time.monotonic() + 30
+        while committed(settings.bootstrap, settings.group_id, [(settings.topics["requests"], 0)]) != {
+                (settings.topics["requests"], 0): 1} and time.monotonic() < deadline:
+            time.sleep(0.5)
+        served = committed(settings.bootstrap, settings.group_id, [(settings.topics["requests"], 0)])
+    print(f"\nstatic membership: the fenced instance exited {code}")
+    assert code == 1 and "FENCED" in older.tail().upper(), older.tail()
+    assert served == {(settings.topics["requests"], 0): 1}, newer.tail()

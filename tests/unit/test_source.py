@@ -182,3 +182,11 @@ def test_a_fatal_consumer_error_ends_the_poll_loop():
     assert not source.alive and source.fatal.code() == KafkaError._FENCED
     assert metrics.registry.get_sample_value("kinference_fatal_errors_total", {"client": "consumer"}) == 1
     assert ("close", None) in consumer.calls and not any(name == "commit" for name, _ in consumer.calls)
+
+
+def test_a_fatal_error_a_fetch_carries_ends_the_member_although_its_flag_is_unset():
+    """Apache Kafka fences a static member through the fetch: code _FATAL, ``fatal()`` false (the member served on
+    as a zombie before; tests/faults/test_exit.py shows it on the broker)."""
+    source, *_ = make_source()
+    source._on_record_error(KafkaError(KafkaError._FATAL, "Static consumer fenced by other consumer"))
+    assert source.fatal is not None and not source.alive
