@@ -30,7 +30,7 @@ from confluent_kafka import KafkaException
 
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
-from kinference.consumer.commit import ConsumerCommitter, OffsetTracker
+from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.endpoints import Endpoints
 from kinference.consumer.lag import LagMonitor
@@ -39,9 +39,9 @@ from kinference.consumer.oip import ServedModel as OipModel
 from kinference.consumer.publisher import Publisher
 from kinference.consumer.request import Request, RequestDecoder
 from kinference.consumer.router import ModelRoute, Router
-from kinference.consumer.source import Committer, Source
+from kinference.consumer.source import Source
 from kinference.consumer.stages import Pipeline
-from kinference.consumer.transactions import MemberSlot, TransactionalPublisher
+from kinference.consumer.transactions import MemberSlot, TransactionCheckpoint
 from kinference.errors import ConfigError
 from kinference.handlers import Handler, HandlerContext, load_handler
 
@@ -110,7 +110,7 @@ class Service:
         self._started = False
         self._stopped = threading.Event()
         self._slot: MemberSlot | None = None
-        self.publisher: Publisher | TransactionalPublisher | None = None
+        self.publisher: Publisher | None = None
         self.source: Source | None = None
         self.lag: LagMonitor | None = None
 
@@ -170,33 +170,29 @@ class Service:
     def _build(self, config: ServiceConfig) -> None:
         # Everything in flight fits in the publisher's queue, so the poll thread never waits on it.
         queue_size = config.max_in_flight + config.max_poll_records
-        committer: Committer
+        checkpoint: TransactionCheckpoint | ConsumerCheckpoint
+        producer_config = config.producer_config()
         if config.delivery == "exactly-once":
-            publisher = TransactionalPublisher(
-                config.producer_config(),
-                self._transactional_id(config),
-                config.dead_letter_topic,
+            checkpoint = TransactionCheckpoint(
                 self.tracker,
                 group_metadata=lambda: self.source.group_metadata(),  # type: ignore[union-attr]
-                queue_size=queue_size,
                 metrics=self.metrics,
                 commit_interval_s=config.commit_interval_ms / 1000,
                 timeout_s=config.transaction_call_timeout_s,
-                tracing=self.tracing,
             )
-            self.publisher = committer = publisher
+            producer_config["transactional.id"] = self._transactional_id(config)
         else:
-            self.publisher = Publisher(
-                config.producer_config(),
-                config.dead_letter_topic,
-                on_answered=self.tracker.finish,
-                queue_size=queue_size,
-                metrics=self.metrics,
-                delivery_retry_timeout_s=config.delivery_retry_timeout_s,
-                stall_timeout_s=config.stall_timeout_s,
-                tracing=self.tracing,
-            )
-            committer = ConsumerCommitter(self.tracker, self.metrics, config.commit_interval_ms / 1000)
+            checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, config.commit_interval_ms / 1000)
+        self.publisher = Publisher(
+            producer_config,
+            config.dead_letter_topic,
+            checkpoint,
+            queue_size=queue_size,
+            metrics=self.metrics,
+            delivery_retry_timeout_s=config.delivery_retry_timeout_s,
+            stall_timeout_s=config.stall_timeout_s,
+            tracing=self.tracing,
+        )
         for model in self.models:
             self._build_model(model, self.publisher)
         schemas = self._schemas(config)
@@ -206,7 +202,7 @@ class Service:
                                  router=router)
         publisher = self.publisher
         self.source = Source(config, decoder, self.tracker, self._admit, self._route, self._reply_now, self._discard,
-                             committer, in_flight=lambda: self.tracker.in_flight + publisher.held,
+                             checkpoint, in_flight=lambda: self.tracker.in_flight + publisher.held,
                              metrics=self.metrics, tracing=self.tracing)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: self.source.rebalance.partitions,  # type: ignore[union-attr]

@@ -7,8 +7,8 @@ It alone calls the consumer (a librdkafka consumer is not to be shared across th
    it (a record that cannot be read becomes a dead letter, never an exception), admit the poll's requests
    together (``admission``: the handler validates and prices them, one call for all), and route each on;
    whatever a record does, the loop goes on with the next one;
-3. commit what is answered (``commit.ConsumerCommitter``, or nothing here in exactly-once, where offsets go
-   into transactions);
+3. commit what is answered (the checkpoint: ``commit.ConsumerCheckpoint``; nothing here in exactly-once, where
+   offsets go into transactions);
 4. pause or resume the partitions for flow control (``flow``).
 
 Rebalances run inside ``consume()`` (``rebalance``). Because this thread never runs the model, a slow model
@@ -47,7 +47,7 @@ _ERROR_BACKOFF_S = 0.5
 
 
 class Committer(Protocol):
-    """How answered offsets are committed: ``commit.ConsumerCommitter`` or the transactional publisher."""
+    """How answered offsets are committed: the checkpoint (``checkpoint.Checkpoint``)."""
 
     def maybe_commit(self, consumer: Any, now: float) -> None: ...
 
