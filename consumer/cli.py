@@ -154,7 +154,8 @@ def run_serve(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         if config.embedded_broker:
             config = _with_embedded_broker(stack, config)
-        service = Service(config)
+        # A worker's report lies in its supervisor's directory, which the host's workers share.
+        service = Service(config, host_dir=args.worker_report.parent if args.worker_report is not None else None)
         if args.worker_report is not None:
             stack.enter_context(WorkerReport(args.worker_report, service))
         service.start()

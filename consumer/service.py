@@ -89,10 +89,12 @@ class Service:
     """``with Service(config) as service: service.wait_ready(30)`` runs kinference in this process."""
 
     def __init__(self, config: ServiceConfig, handler: Handler | None = None,
-                 tracer_provider: TracerProvider | None = None) -> None:
+                 tracer_provider: TracerProvider | None = None, host_dir: Path | None = None) -> None:
         """``tracer_provider``: where spans go with ``tracing`` on, instead of the exporters the OTEL_* environment
-        variables name (tests pass one with an in-memory exporter); flushed at stop, never shut down here."""
+        variables name (tests pass one with an in-memory exporter); flushed at stop, never shut down here.
+        ``host_dir``: the directory the workers of one host share (``--workers N``), handed to the handlers."""
         self.config = config
+        self._host_dir = host_dir
         self._tracer_provider = tracer_provider
         self.tracing: Tracing | None = None
         if handler is not None and config.models:
@@ -143,7 +145,7 @@ class Service:
             model.handler.setup(HandlerContext(device=device, model=_path(settings.model),
                                                options=dict(settings.handler_options),
                                                max_batch_size=settings.micro_batch_size or settings.max_batch_size,
-                                               registry=self.metrics.registry))
+                                               registry=self.metrics.registry, host_dir=self._host_dir))
         try:
             self._build(config)
         except KafkaException as exc:
