@@ -48,6 +48,7 @@ _QUICK_DEATHS = 5
 _KILL_MARGIN_S = 5.0
 """After a forwarded signal, how long past ``shutdown_grace_s`` a worker may take before it is killed."""
 _REPORT_S = 1.0
+_JOINING_S = 0.05
 _STALE_S = 10.0
 """A worker that has not reported for this long is hung (a stuck poll loop, a process stopped): unhealthy."""
 WORKER_LOCAL_METRICS = frozenset({"kinference_ready", "kinference_healthy", "kinference_batch_cost_fixed_seconds",
@@ -57,9 +58,9 @@ the host's /metrics (and serves ready and healthy from its own view of the worke
 
 
 class WorkerReport:
-    """A worker's side: writes what its ``/healthz`` and ``/readyz`` would answer to ``path`` every second, for the
-    supervisor. ``with WorkerReport(path, service):`` around the service's whole life, its start included (a slow
-    model load is "alive, not ready")."""
+    """A worker's side: writes what its ``/healthz`` and ``/readyz`` would answer to ``path`` for the supervisor, every
+    second and at once when the worker joins the group (a drain times workers from then). ``with WorkerReport(path,
+    service):`` around the service's whole life, its start included (a slow model load is "alive, not ready")."""
 
     def __init__(self, path: Path, service: Any) -> None:
         self._path = Path(path)
@@ -76,10 +77,13 @@ class WorkerReport:
         self._thread.join(_REPORT_S * 2)
 
     def _run(self) -> None:
+        joined = False
         while True:
             self.write()
-            if self._stop.wait(_REPORT_S):
+            # Often until the worker is in the group, so that its join is reported at once.
+            if self._stop.wait(_REPORT_S if joined else _JOINING_S):
                 return
+            joined = joined or self._service.wait_ready(0)
 
     def write(self) -> None:
         service = self._service
@@ -139,6 +143,11 @@ class Supervisor:
         self._signal: int | None = None
         self._lock = threading.Lock()
         """Held while workers are started or reaped: the HTTP threads read their state."""
+
+    @property
+    def host_dir(self) -> Path:
+        """The directory the workers share (their reports, and the ``sim`` handler's device)."""
+        return self._reports
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Forward ``signum`` to the workers and stop (safe from a signal handler: it only records it)."""
