@@ -22,6 +22,8 @@ When the broker refuses a record, ``classify`` decides:
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,8 +78,11 @@ class Delivery:
     original: bool = True
     """A dead letter with the original value and headers (False once they made it too large)."""
     attempts: int = 0
-    transaction: int = 0
-    """Exactly-once: the transaction it was produced in (reports from an aborted one are stale)."""
+    epoch: int = 0
+    """The publisher's epoch when it was last produced: a report from an earlier one (a replaced producer, an
+    aborted transaction) is stale."""
+    in_transaction: bool = False
+    """Last produced inside a transaction: its refusal aborts the transaction, whose next one carries it."""
 
 
 def answer(request: Request, dead_letter_topic: str, now: float) -> list[Delivery]:
@@ -89,6 +94,40 @@ def answer(request: Request, dead_letter_topic: str, now: float) -> list[Deliver
         error = request.error or RequestError("the record is not a valid request", ErrorCode.BAD_REQUEST)
         deliveries.append(_dead_letter(request, dead_letter_topic, error, now))
     return deliveries
+
+
+class ReplyPartitions:
+    """Checks the reply partition a client asked for (``kafka_replyPartition``) against the reply topic's metadata,
+    before anything is produced: a partition the topic lacks would be refused by the broker, and in a transaction
+    that refusal aborts the transaction with every other request's reply in it. Such a request is answered with
+    ``bad_request`` on the default reply partition instead.
+
+    Partition counts are cached for ``ttl_s`` (a topic that grows is seen within that time); a topic whose metadata
+    cannot be had is not judged here (the broker's refusal then answers as for any refused record)."""
+
+    def __init__(self, partitions: Callable[[str], int | None], ttl_s: float = 10.0) -> None:
+        """``partitions(topic)``: the topic's partition count from the broker's metadata, None if unknown."""
+        self._partitions = partitions
+        self._ttl_s = ttl_s
+        self._known: dict[str, tuple[int | None, float]] = {}
+
+    def check(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            if request.reply_partition is None:
+                continue
+            count = self._count(request.reply_topic)
+            if count is not None and request.reply_partition >= count:
+                asked, request.reply_partition = request.reply_partition, None
+                request.fail(RequestError(f"reply partition {asked} does not exist: {request.reply_topic} has "
+                                          f"{count} partitions; the reply goes to its default partition",
+                                          ErrorCode.BAD_REQUEST))
+
+    def _count(self, topic: str) -> int | None:
+        now = time.monotonic()
+        known = self._known.get(topic)
+        if known is None or now - known[1] > self._ttl_s:
+            known = self._known[topic] = (self._partitions(topic), now)
+        return known[0]
 
 
 def replacement(refused: Delivery, error: KafkaError, dead_letter_topic: str, now: float) -> list[Delivery]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -42,6 +43,7 @@ _TOPICS_FIELDS = frozenset({"bootstrap_servers", "request_topics", "reply_topic"
 def main(argv: list[str]) -> int:
     """``argv`` starts with the command name (``serve``, ``topics``, ``healthcheck`` or ``broker``)."""
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.run(args)
     except KinferenceError as exc:
@@ -58,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 f"{ENV_PREFIX}<FLAG_NAME> and from the --config YAML file.")
     serve.add_argument("--config", type=Path, help="YAML file of option: value (keys as the flag names)")
     add_config_flags(serve)
+    # Internal: a worker of --workers N reports its health to its supervisor in this file.
+    serve.add_argument("--worker-report", type=Path, help=argparse.SUPPRESS)
     serve.set_defaults(run=run_serve)
 
     topics = commands.add_parser(
@@ -142,22 +146,21 @@ def _stop_on_signals() -> threading.Event:
 def run_serve(args: argparse.Namespace) -> int:
     """Exit 0 after a clean stop (SIGTERM, SIGINT); 1 when the service cannot go on (a thread died, a fatal
     consumer or producer error, a request that cannot be answered), so that the orchestrator restarts it."""
-    from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
     from kinference.consumer.service import Service
-    from kinference.consumer.topics import create_topics
+    from kinference.consumer.supervisor import WorkerReport
 
     config = _config_from_args(args)
     setup_logging(config.log_level, config.log_format)
+    if config.workers > 1:
+        return _run_workers(args, config)
     stop = _stop_on_signals()
     with ExitStack() as stack:
         if config.embedded_broker:
-            broker = stack.enter_context(EmbeddedBroker())
-            create_topics(broker.bootstrap_servers, config.topic_partitions(), topic_config=config.topic_config)
-            tuned = {key: SecretStr(value) for key, value in LOW_LATENCY_CONSUMER.items()}
-            config = config.model_copy(update={"bootstrap_servers": broker.bootstrap_servers,
-                                               "kafka_consumer": {**tuned, **config.kafka_consumer}})
-            log.info("embedded broker: --bootstrap-servers %s", broker.bootstrap_servers)
-        service = Service(config)
+            config = _with_embedded_broker(stack, config)
+        # A worker's report lies in its supervisor's directory, which the host's workers share.
+        service = Service(config, host_dir=args.worker_report.parent if args.worker_report is not None else None)
+        if args.worker_report is not None:
+            stack.enter_context(WorkerReport(args.worker_report, service))
         service.start()
         try:
             while not stop.wait(_HEALTH_CHECK_S):
@@ -167,6 +170,54 @@ def run_serve(args: argparse.Namespace) -> int:
         finally:
             service.stop()
     return 0
+
+
+def _with_embedded_broker(stack: ExitStack, config: ServiceConfig) -> ServiceConfig:
+    """Start the embedded broker (stopped with ``stack``) and its topics; the config pointed at it."""
+    from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
+    from kinference.consumer.topics import create_topics
+
+    broker = stack.enter_context(EmbeddedBroker())
+    create_topics(broker.bootstrap_servers, config.topic_partitions(), topic_config=config.topic_config)
+    tuned = {key: SecretStr(value) for key, value in LOW_LATENCY_CONSUMER.items()}
+    log.info("embedded broker: --bootstrap-servers %s", broker.bootstrap_servers)
+    return config.model_copy(update={"bootstrap_servers": broker.bootstrap_servers,
+                                      "embedded_broker": False,
+                                      "kafka_consumer": {**tuned, **config.kafka_consumer}})
+
+
+def _run_workers(args: argparse.Namespace, config: ServiceConfig) -> int:
+    """``--workers N``: the supervisor (``supervisor``) and its N workers, each ``serve`` with the same flags and
+    ``--workers 1``. Exit 0 after a clean stop, 1 when a worker kept dying."""
+    from prometheus_client import CollectorRegistry
+
+    from kinference.consumer.endpoints import Endpoints
+    from kinference.consumer.supervisor import Supervisor
+
+    with ExitStack() as stack:
+        overrides = ["--workers", "1", "--no-metrics"]
+        if config.embedded_broker:  # one broker for the host, started here
+            from kinference.consumer.broker import LOW_LATENCY_CONSUMER
+
+            tuned = [item for key, value in LOW_LATENCY_CONSUMER.items() if key not in config.kafka_consumer
+                     for item in ("--kafka-consumer", f"{key}={value}")]
+            config = _with_embedded_broker(stack, config)
+            overrides += ["--no-embedded-broker", "--bootstrap-servers", config.bootstrap_servers, *tuned]
+        serve_argv = args.argv[args.argv.index("serve") + 1:]
+        prefix = [sys.executable, "-m", "kinference", "serve", *serve_argv, *overrides]
+        given_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        supervisor = Supervisor(config.workers, lambda report: [*prefix, "--worker-report", str(report)],
+                                grace_s=config.shutdown_grace_s, metrics_dir=Path(given_dir) if given_dir else None)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda received, _frame: supervisor.stop(received))
+        if config.metrics:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(supervisor)  # type: ignore[arg-type]  # a collector: it has collect()
+            endpoints = Endpoints(config.metrics_host, config.metrics_port, registry, supervisor.health_checks,
+                                  supervisor.readiness_checks, supervisor.problems).start()
+            stack.callback(endpoints.close)
+        log.info("supervising %d workers", config.workers)
+        return supervisor.run()
 
 
 def run_topics(args: argparse.Namespace) -> int:

@@ -208,12 +208,16 @@ class OffsetTracker:
                     self._committed[(tp.topic, tp.partition)] = tp.offset
 
 
-class ConsumerCommitter:
-    """At-least-once: the consumer commits the tracker's positions. Asynchronously on an interval, with the
-    outcome reported to ``on_commit`` (a synchronous commit in the poll thread would wait out a coordinator
-    fail-over), synchronously on revoke and close, when the partition is about to change hands.
+class ConsumerCheckpoint:
+    """At-least-once (``checkpoint.Checkpoint``): a request is answered once the broker acknowledged each of its
+    records, and the consumer commits the tracker's positions. Asynchronously on an interval, with the outcome
+    reported to ``on_commit`` (a synchronous commit in the poll thread would wait out a coordinator fail-over),
+    synchronously on revoke and close, when the partition is about to change hands."""
 
-    Exactly-once has no such object: its offsets go into each transaction (``transactions``)."""
+    replaces_producer = True
+    """Nothing is lost with a dead producer: what it did not deliver is produced again by a new one."""
+    held = 0
+    """Nothing waits here: a finished request is answered at once."""
 
     def __init__(self, tracker: OffsetTracker, metrics: Any, interval_s: float) -> None:
         self._tracker = tracker
@@ -223,6 +227,25 @@ class ConsumerCommitter:
         self._waiting = False
         """An asynchronous commit is out: the next waits for its report, so that commits never pile up while the
         coordinator does not answer (a rebalance, a fail-over)."""
+
+    # --- the publisher's side
+
+    def open(self, producer: Any) -> None:
+        """An idempotent producer needs no preparation."""
+
+    def close(self) -> None:
+        """Nobody waits on the publisher here."""
+
+    def take(self, requests: list[Request]) -> list[Request]:
+        return requests
+
+    def acknowledged(self, requests: list[Request]) -> None:
+        self._tracker.finish(requests)
+
+    def due(self, now: float, final: bool) -> None:
+        """No transactions."""
+
+    # --- the source's side
 
     def maybe_commit(self, consumer: Any, now: float) -> None:
         if now < self._next or self._waiting:

@@ -337,6 +337,11 @@ class ServiceConfig(BaseModel):
     )
 
     # --- Operation
+    workers: int = Field(
+        1, ge=1, le=64, description="Worker processes on this host, each a member of the consumer group with its own "
+        "copy of the model, under one supervisor that restarts them and serves one /metrics, /healthz and /readyz "
+        "(1: one process, no supervisor). See docs/configuration.md#several-workers-on-one-host.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_format: Literal["text", "json"] = Field(
         "text", description="text, or json: one object per line with topic/partition/offset/correlation_id."

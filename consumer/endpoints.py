@@ -23,11 +23,15 @@ Checks = Callable[[], dict[str, bool]]
 
 
 class Endpoints:
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, health: Checks, readiness: Checks) -> None:
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, health: Checks, readiness: Checks,
+                 problems: Callable[[], dict[str, str]] | None = None) -> None:
+        """``problems``: why each failing check fails, in words, added to a failing answer's body (the supervisor of
+        several workers says which worker, and why)."""
+        explain = problems or dict
         routes = {
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
-            "/healthz": lambda: _check(health()),
-            "/readyz": lambda: _check(readiness()),
+            "/healthz": lambda: _check(health(), explain),
+            "/readyz": lambda: _check(readiness(), explain),
         }
 
         class Handler(BaseHTTPRequestHandler):
@@ -62,6 +66,10 @@ class Endpoints:
         self._thread.join(5)
 
 
-def _check(checks: dict[str, bool]) -> tuple[int, str, bytes]:
+def _check(checks: dict[str, bool], explain: Callable[[], dict[str, str]]) -> tuple[int, str, bytes]:
     ok = all(checks.values())
-    return (200 if ok else 503), "application/json", orjson.dumps({"ok": ok, "checks": checks}) + b"\n"
+    body = {"ok": ok, "checks": checks}
+    problems = {} if ok else {name: why for name, why in explain().items() if not checks.get(name, True)}
+    if problems:
+        body["problems"] = problems
+    return (200 if ok else 503), "application/json", orjson.dumps(body) + b"\n"

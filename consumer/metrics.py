@@ -1,5 +1,8 @@
 """Prometheus metrics of one service instance (its own registry, so several can share a process).
 
+With ``--workers N`` each worker's metrics go to files under ``PROMETHEUS_MULTIPROC_DIR`` and the supervisor serves
+their sum (``supervisor``); ``multiprocess_mode`` says how a gauge adds up across the live workers.
+
 Every name starts with ``kinference_``. Labels are bounded: topics and models come from the configuration,
 partitions from the current assignment (removed on revoke), outcomes from ``ErrorCode`` plus ``ok``. Every
 metric of requests, batches and stages has a ``model`` label (the model that served them; ``none`` for a record
@@ -49,11 +52,12 @@ class Metrics:
         self.service_seconds = Histogram("kinference_service_seconds", "From receipt by the consumer to the "
                                          "reply handed to the producer.", ["model", "topic"], buckets=_LATENCY_BUCKETS,
                                          registry=r)
-        self.in_flight = Gauge("kinference_in_flight", "Requests consumed and not yet answered.", registry=r)
+        self.in_flight = Gauge("kinference_in_flight", "Requests consumed and not yet answered.", registry=r,
+                               multiprocess_mode="livesum")
         self.paused_partitions = Gauge("kinference_paused_partitions", "Assigned partitions paused by "
-                                       "backpressure or shutdown.", registry=r)
+                                       "backpressure or shutdown.", registry=r, multiprocess_mode="livesum")
         self.assigned_partitions = Gauge("kinference_assigned_partitions", "Partitions assigned to this member.",
-                                         registry=r)
+                                         registry=r, multiprocess_mode="livesum")
         self.commits = Counter("kinference_commits", "Offset commits that succeeded.", registry=r)
         self.commit_failures = Counter("kinference_commit_failures", "Offset commits that failed (retried "
                                        "at the next commit).", registry=r)
@@ -74,7 +78,8 @@ class Metrics:
                                          "them again (the work a rebalance costs).", registry=r)
         self.consumer_lag = Gauge("kinference_consumer_lag", "End offset minus the group's committed offset, per "
                                   "assigned partition (what KEDA's Kafka scaler computes), refreshed from the broker "
-                                  "every lag_interval_s.", ["topic", "partition"], registry=r)
+                                  "every lag_interval_s.", ["topic", "partition"], registry=r,
+                                  multiprocess_mode="livemostrecent")
         self.ready = Gauge("kinference_ready", "1 while /readyz would answer 200 (model loaded, in the group, a "
                            "broker reachable, healthy), else 0; read at each scrape.", registry=r)
         self.healthy = Gauge("kinference_healthy", "1 while /healthz would answer 200 (every thread alive, no fatal "

@@ -1,24 +1,39 @@
-"""The publisher: one thread owns the producer, produces what answers each finished request, and follows
-every record until the broker has it.
+"""The publisher: one thread owns the producer, produces what answers each finished request, follows every
+record until the broker has it, and hands what is answered to its checkpoint (``checkpoint``), which makes it
+durable. Both delivery modes use this one class; they differ only in their checkpoint.
 
-This is the at-least-once publisher; ``transactions.TransactionalPublisher`` is the exactly-once one, and
-both share everything here: the inbox and the thread, what answers a request and what replaces a refused
-record (``answers``), how a refusal is classified, the metrics, and what stops the service. They differ
-only where their guarantees differ:
+Each turn of the publisher's loop, in order:
 
-- here, a request counts as answered once the broker acknowledged each of its records; ``on_answered``
-  then hands it to the commit tracker (all those of one turn of the thread's loop at once), and the consumer
-  commits its offset later;
-- a record refused for a passing reason (a timeout during a broker outage, a purge) is produced again with
-  backoff, for up to ``delivery_retry_timeout_s``; past that the request is unanswerable;
-- a producer with a fatal error (the idempotent producer's sequence lost), or with no successful delivery for
-  longer than librdkafka's own delivery timeout while records are outstanding, is replaced, and what it had
-  not delivered is produced again by the new one. A replaced producer loses its de-duplication, which is
-  why an ordinary stall (a leader election) is never reason enough.
+1. take finished requests from the inbox. A reply partition the reply topic lacks fails its request
+   (``answers.ReplyPartitions``). The checkpoint holds some back (``take``); the others are answered at once:
+   their records are produced;
+2. produce again the records refused for a passing reason whose backoff is over;
+3. serve the delivery reports: a request whose records were all acknowledged is answered (``acknowledged``);
+4. make answers durable. Only this step differs between the delivery modes:
+   - at-least-once (``commit.ConsumerCheckpoint``): step 3 handed the answered requests to the commit tracker,
+     and the consumer commits their offsets; there is nothing to do here;
+   - exactly-once (``transactions.TransactionCheckpoint``): when a transaction is due (``due``), the held
+     requests that form runs from the last committed offsets are answered in it, and it commits them together
+     with their offsets (``_transact`` lists its steps).
+
+A record the broker refuses (``answers.classify``):
+
+- for good (too large, unknown topic...): the request is answered another way (``answers.replacement``): at
+  once, or, for a record of a transaction (which must abort then), in the next transaction. A record that
+  ``produce()`` itself refused never entered the transaction: its replacement goes into the same one;
+- for a passing reason (a timeout during a broker outage, a purge): the same record is produced again, with
+  backoff, for up to ``delivery_retry_timeout_s``; in a transaction, the transaction aborts and the next one
+  carries it;
+- because the producer itself failed for good (the idempotent producer's sequence lost), or when no delivery
+  succeeded for longer than librdkafka's own delivery timeout while records are outstanding: where the
+  checkpoint allows it (``replaces_producer``), the producer is replaced and every record it did not report as
+  delivered is produced again by the new one, whatever the old one may still report later (stale, ignored). A
+  replaced producer loses its de-duplication, which is why an ordinary stall (a leader election) is never
+  reason enough. Where the checkpoint does not allow it, the service stops.
 
 An unanswerable request (its dead letter refused for good, or transient failures past the bound) is never
-marked answered, so its offset is never committed; ``failure`` is set, ``/healthz`` fails, and the service
-exits non-zero so that the orchestrator restarts it.
+answered, so its offset is never committed; ``failure`` is set, ``/healthz`` fails, and the service exits
+non-zero so that the orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -35,7 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from kinference.consumer.answers import Delivery, Refusal, answer, classify, replacement
+from kinference.consumer.answers import Delivery, Refusal, ReplyPartitions, answer, classify, replacement
+from kinference.consumer.checkpoint import Abort, Checkpoint, Transaction
 from kinference.consumer.logs import about
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
@@ -50,6 +66,10 @@ _POLL_S = 0.05
 _PUT_S = 0.5
 _BACKOFF_S = (0.5, 30.0)
 """First and longest wait before a record refused for a passing reason is produced again."""
+_REPLACED_FLUSH_S = 1.0
+"""How long a replaced producer may report on what it holds; whatever it has not reported by then is produced
+again by the new one."""
+_METADATA_TIMEOUT_S = 2.0
 
 
 class PublisherDown(RuntimeError):
@@ -71,7 +91,7 @@ class Publisher:
         self,
         producer_config: dict[str, str],
         dead_letter_topic: str,
-        on_answered: Callable[[list[Request]], None],
+        checkpoint: Checkpoint,
         queue_size: int,
         metrics: Metrics,
         *,
@@ -80,27 +100,42 @@ class Publisher:
         producer_factory: Callable[[dict[str, Any]], Any] = Producer,
         tracing: Tracing | None = None,
     ) -> None:
-        """``tracing``, when on, ends each request's span once the request is answered."""
+        """``producer_config`` carries ``transactional.id`` for a transactional checkpoint. ``tracing``, when on,
+        ends each request's span once the request is answered."""
         self._metrics = metrics
         self._tracing = tracing
         self._dead_letter_topic = dead_letter_topic
-        self._on_answered = on_answered
+        self._checkpoint = checkpoint
         self._inbox: queue.Queue[list[Request]] = queue.Queue(maxsize=queue_size)
         self._new_producer = partial(producer_factory, {**producer_config, "error_cb": self._on_client_error})
         self._producer = self._new_producer()
+        self._reply_partitions = ReplyPartitions(self._partitions)
         self._retry_timeout_s = delivery_retry_timeout_s
         self._stall_timeout_s = stall_timeout_s
+        self._epoch = 0
+        """Moves on when a producer is replaced or a transaction aborts: reports of records produced before are
+        stale."""
+        self._in_flight: dict[Delivery, None] = {}
+        """Records produced in this epoch and not reported delivered or refused, in the order produced."""
         self._outstanding: dict[Request, int] = {}
-        """Records of each request not yet acknowledged."""
+        """Records not yet acknowledged of each request answered outside a transaction."""
         self._answered: list[Request] = []
-        """Answered since the last hand-over to ``on_answered``."""
+        """Answered since the last hand-over to the checkpoint."""
         self._retries: list[tuple[float, int, Delivery]] = []
         """Refused records waiting to be produced again: a heap by due time."""
         self._order = itertools.count()
+        self._transaction: Transaction | None = None
+        self._sent: list[Delivery] = []
+        """The records of the open transaction."""
+        self._doomed: KafkaError | None = None
+        """Why the open transaction cannot commit: one of its records was refused."""
+        self._plans: dict[Request, list[Delivery]] = {}
+        """The records that answer each request of a transaction; kept, with what replaced refused records, for
+        the next transaction when this one aborts."""
         self._fatal: KafkaError | None = None
-        self._undelivered: list[Delivery] = []
-        """Records a dead producer failed, to produce again with the next one."""
         self._last_success = time.monotonic()
+        self._settled = False
+        """The last turn found the service stopping with nothing left in the inbox, and made durable what it could."""
         self.failure: str | None = None
         """Why the publisher cannot go on; set once, then the service stops with a non-zero exit."""
         self._stopping = threading.Event()
@@ -125,11 +160,12 @@ class Publisher:
                     raise PublisherDown(f"the publisher is not running ({self.failure or 'stopped'})") from None
 
     def stop(self, timeout_s: float) -> None:
-        """Publish what is queued and wait up to ``timeout_s`` for the broker's acknowledgements."""
+        """Publish what is queued and wait up to ``timeout_s`` for it to become durable."""
         self._stopping.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             self._abandon.set()
+            self._checkpoint.close()  # a transactional call retrying in the thread gives up
             self._thread.join(_POLL_S * 4)
         if self._outstanding:
             log.warning("%d requests were still unanswered at shutdown; their offsets stay uncommitted",
@@ -145,33 +181,31 @@ class Publisher:
 
     @property
     def held(self) -> int:
-        """Answered requests whose offsets wait for something other than the consumer's commit (none here)."""
-        return 0
+        """Finished requests the checkpoint holds back (exactly-once: until their transaction commits)."""
+        return self._checkpoint.held
 
     # --- the publisher thread
 
     def _run(self) -> None:
         try:
-            self._open()
+            self._checkpoint.open(self._producer)
             while not self._done():
                 self._check_producer()
-                self._take(self._wait_s())
-                self._tick(time.monotonic())
-                self._producer.poll(0)
+                self._take(self._wait_s())  # 1
+                self._retry_due(time.monotonic())  # 2
+                self._producer.poll(0)  # 3
                 self._hand_over()
+                self._make_durable(time.monotonic())  # 4
         except Exception as exc:
             self._fail(f"the publisher failed: {exc!r}")
             log.critical("publisher thread failed", exc_info=True)
-
-    def _open(self) -> None:
-        """Make the producer ready (the transactional one registers its id)."""
+        finally:
+            self._checkpoint.close()
 
     def _done(self) -> bool:
         if self.failure is not None or self._abandon.is_set():
             return True
-        if not self._stopping.is_set() or not self._inbox.empty():
-            return False
-        return not self._outstanding or self._fatal is not None
+        return self._settled and (not self._outstanding or self._fatal is not None)
 
     def _wait_s(self) -> float:
         due = self._retries[0][0] - time.monotonic() if self._retries else _POLL_S
@@ -182,23 +216,74 @@ class Publisher:
             requests = self._inbox.get(timeout=timeout_s)
         except queue.Empty:
             return
+        self._reply_partitions.check(requests)
         now = time.monotonic()
         for request in requests:
             observe(self._metrics, request, now)
-        self._accept(requests, now)
-
-    def _accept(self, requests: list[Request], now: float) -> None:
-        """At-least-once: answer at once."""
-        for request in requests:
+        for request in self._checkpoint.take(requests):
             self._answer(request, answer(request, self._dead_letter_topic, now))
 
-    def _tick(self, now: float) -> None:
-        """Produce again the refused records that are due."""
+    def _retry_due(self, now: float) -> None:
         while self._retries and self._retries[0][0] <= now:
             _, _, delivery = heapq.heappop(self._retries)
             self._send(delivery)
 
+    def _hand_over(self) -> None:
+        if self._answered:
+            answered, self._answered = self._answered, []
+            self._checkpoint.acknowledged(answered)
+            self._trace_answered(answered)
+
+    def _make_durable(self, now: float) -> None:
+        final = self._stopping.is_set() and self._inbox.empty()
+        transaction = self._checkpoint.due(now, final)
+        if transaction is not None:
+            self._transact(transaction)
+        self._settled = final
+
+    def _transact(self, transaction: Transaction) -> None:
+        """One transaction, in order:
+
+        1. begin it;
+        2. produce each request's answer (as the last transaction left it, when that one aborted);
+        3. commit it, with the requests' offsets; committing flushes, so each of its records is reported first;
+        4. committed: the requests are answered. Aborted (a record was refused, or the broker said so): the
+           requests stay held, each with its answer as it stands now, for the next transaction.
+        """
+        requests = transaction.requests
+        self._transaction, self._sent, self._doomed = transaction, [], None
+        try:
+            transaction.begin(self._producer)
+            now = time.monotonic()
+            # Plans of requests not in this transaction are stale: their partition moved to another member.
+            plans, self._plans = self._plans, {}
+            for request in requests:
+                plan = plans.get(request) or answer(request, self._dead_letter_topic, now)
+                self._plans[request] = plan
+                for delivery in list(plan):  # a record refused at once is replaced in the plan, and produced
+                    self._send(delivery)
+            try:
+                if self._doomed is not None:
+                    raise Abort(self._doomed)
+                transaction.commit(self._producer)
+            except Abort as abort:
+                self._epoch += 1  # what the aborted records still report is stale
+                self._in_flight.clear()
+                failure = transaction.abort(self._producer, abort.error)
+                if failure is not None:
+                    self._fail(failure)
+                return
+            for delivery in self._sent:
+                self._count(delivery)
+            self._plans = {}
+            self._trace_answered(requests)
+        finally:
+            self._transaction, self._sent = None, []
+
+    # --- records
+
     def _answer(self, request: Request, deliveries: list[Delivery]) -> None:
+        """Produce these records of a request answered outside a transaction."""
         self._outstanding[request] = self._outstanding.get(request, 0) + len(deliveries)
         for delivery in deliveries:
             self._send(delivery)
@@ -207,48 +292,77 @@ class Publisher:
         topic, value, key, headers, partition = delivery.record
         kwargs = {} if partition is None else {"partition": partition}
         delivery.attempts += 1
+        delivery.epoch = self._epoch
+        delivery.in_transaction = self._transaction is not None
         while True:
             try:
                 self._producer.produce(topic, value, key, headers=headers,
                                        on_delivery=partial(self._on_delivery, delivery), **kwargs)
+                self._in_flight[delivery] = None
+                if delivery.in_transaction:
+                    self._sent.append(delivery)
                 return
             except BufferError:
                 # librdkafka's local queue is full: serve delivery reports until there is room.
                 self._producer.poll(_POLL_S)
             except KafkaException as exc:
-                # Refused at once (too large, unknown topic or partition...): the same path as a failed delivery.
-                self._on_delivery(delivery, exc.args[0], None)
+                # Refused at once (too large, unknown topic or partition...): never entered the producer's queue.
+                self._refused(delivery, exc.args[0], at_once=True)
                 return
 
     def _on_delivery(self, delivery: Delivery, error: KafkaError | None, _message: Any) -> None:
-        if error is None:
-            self._last_success = time.monotonic()
-            self._delivered(delivery)
+        if delivery.epoch != self._epoch:
+            return  # produced again since, by a new producer or in a new transaction
+        if error is not None and (self._fatal is not None or error.fatal()):
+            self._fatal = self._fatal or error  # it stays in flight: the next producer produces it again
             return
+        del self._in_flight[delivery]
+        if error is not None:
+            self._refused(delivery, error, at_once=False)
+            return
+        self._last_success = time.monotonic()
+        if not delivery.in_transaction:  # a transaction's records count once it commits
+            self._delivered(delivery)
+
+    def _refused(self, delivery: Delivery, error: KafkaError, *, at_once: bool) -> None:
         refusal = classify(error)
         if refusal is Refusal.FATAL or self._fatal is not None:
             self._fatal = self._fatal or error
-            self._undelivered.append(delivery)
+            self._in_flight[delivery] = None
             return
         self._metrics.labelled(self._metrics.delivery_failures, delivery.kind).inc()
+        if delivery.in_transaction and not (refusal is Refusal.PERMANENT and at_once):
+            # A refused record fails its transaction: the next one carries the record, or what replaces it.
+            self._doomed = self._doomed or error
         if refusal is Refusal.TRANSIENT:
-            self._refused_for_now(delivery, error)
+            if not delivery.in_transaction:
+                self._retry_later(delivery, error)
             return
         log.error("%s to %s refused: %s", delivery.kind.replace("_", " "), delivery.record[0], error,
                   extra=about(delivery.request))
-        self._replace(delivery, error)
+        self._replace(delivery, error, at_once)
 
-    def _replace(self, delivery: Delivery, error: KafkaError) -> None:
+    def _replace(self, delivery: Delivery, error: KafkaError, at_once: bool) -> None:
         """Answer the request another way (``answers.replacement``)."""
         request = delivery.request
-        self._outstanding[request] -= 1
         deliveries = replacement(delivery, error, self._dead_letter_topic, time.monotonic())
         if not deliveries:
+            if delivery.in_transaction:
+                self._doomed = self._doomed or error  # never commit its offset, even refused at once
             self._unanswerable(request, f"{delivery.record[0]} refused the dead letter: {error}")
             return
-        self._answer(request, deliveries)
+        if not delivery.in_transaction:
+            self._outstanding[request] -= 1
+            self._answer(request, deliveries)
+            return
+        plan = self._plans[request]
+        place = next(i for i, planned in enumerate(plan) if planned is delivery)
+        plan[place:place + 1] = deliveries
+        if at_once:
+            for replacing in deliveries:
+                self._send(replacing)
 
-    def _refused_for_now(self, delivery: Delivery, error: KafkaError) -> None:
+    def _retry_later(self, delivery: Delivery, error: KafkaError) -> None:
         now = time.monotonic()
         if now - delivery.first_attempt > self._retry_timeout_s:
             self._unanswerable(delivery.request, f"{delivery.kind.replace('_', ' ')} to {delivery.record[0]} still "
@@ -260,24 +374,25 @@ class Publisher:
         heapq.heappush(self._retries, (now + backoff, next(self._order), delivery))
 
     def _delivered(self, delivery: Delivery) -> None:
+        self._count(delivery)
         request = delivery.request
+        left = self._outstanding.get(request)
+        if left is None:
+            return  # given up on already (unanswerable)
+        if left > 1:
+            self._outstanding[request] = left - 1
+            return
+        del self._outstanding[request]
+        self._answered.append(request)
+
+    def _count(self, delivery: Delivery) -> None:
         if delivery.kind == "reply":
-            self._metrics.labelled(self._metrics.replies, "ok" if request.ok else "error").inc()
+            self._metrics.labelled(self._metrics.replies, "ok" if delivery.request.ok else "error").inc()
         else:
             self._metrics.dead_letters.inc()
-        self._outstanding[request] -= 1
-        if self._outstanding[request] == 0:
-            del self._outstanding[request]
-            self._answered.append(request)
-
-    def _hand_over(self) -> None:
-        if self._answered:
-            answered, self._answered = self._answered, []
-            self._trace_answered(answered)
-            self._on_answered(answered)
 
     def _trace_answered(self, requests: list[Request]) -> None:
-        """The end of each request's span: when it counts as answered, which differs between the delivery modes."""
+        """The end of each request's span: when it counts as answered."""
         if self._tracing is not None:
             self._tracing.answered(requests)
 
@@ -290,14 +405,28 @@ class Publisher:
         if self.failure is None:
             self.failure = why
 
-    # --- a dead producer is replaced (at-least-once only)
+    def _partitions(self, topic: str) -> int | None:
+        """The topic's partition count, from the producer's metadata; None if the broker does not say."""
+        try:
+            metadata = self._producer.list_topics(topic, timeout=_METADATA_TIMEOUT_S).topics.get(topic)
+        except KafkaException as exc:
+            log.warning("no metadata for reply topic %s: %s", topic, exc)
+            return None
+        if metadata is None or metadata.error is not None:
+            return None
+        return len(metadata.partitions)
+
+    # --- a producer that failed for good
 
     def _check_producer(self) -> None:
         if self._fatal is None and self._stalled():
             self._fatal = KafkaError(KafkaError._TIMED_OUT, f"no successful delivery for {self._stall_timeout_s:g} s "
                                      f"with {len(self._producer)} records outstanding")
-        if self._fatal is not None:
-            self._replace_producer()
+        if self._fatal is None:
+            return
+        if not self._checkpoint.replaces_producer:
+            raise KafkaException(self._fatal)
+        self._replace_producer()
 
     def _stalled(self) -> bool:
         """No successful delivery for the stall timeout while requests wait for one: the producer hands out
@@ -311,16 +440,19 @@ class Publisher:
     def _replace_producer(self) -> None:
         log.warning("replacing the producer: %s", self._fatal)
         old = self._producer
-        # Fail whatever the dead producer still holds; its delivery reports land in _undelivered.
+        # Fail what the dead producer still holds, and take what it reports now. Whatever it has not reported as
+        # delivered by then stays in flight and is produced again below; a report it gives later is stale.
         old.purge(in_queue=True, in_flight=True, blocking=False)
-        old.flush(1.0)
+        old.flush(_REPLACED_FLUSH_S)
+        self._epoch += 1
         self._producer = self._new_producer()
+        self._checkpoint.open(self._producer)
         self._fatal = None
         self._last_success = time.monotonic()
         self._metrics.producer_replacements.inc()
         # Records waiting out a backoff go at once: the producer they failed on is gone.
-        undelivered = self._undelivered + [delivery for _, _, delivery in self._retries]
-        self._undelivered, self._retries = [], []
+        undelivered = [*self._in_flight, *(delivery for _, _, delivery in sorted(self._retries))]
+        self._in_flight, self._retries = {}, []
         for delivery in undelivered:
             self._send(delivery)
         log.warning("new producer: %d records produced again", len(undelivered))

@@ -32,7 +32,7 @@ from confluent_kafka import KafkaException
 
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
-from kinference.consumer.commit import ConsumerCommitter, OffsetTracker
+from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.endpoints import Endpoints
 from kinference.consumer.intake import Intake
@@ -43,9 +43,9 @@ from kinference.consumer.publisher import Publisher
 from kinference.consumer.request import Request, RequestDecoder
 from kinference.consumer.router import ModelRoute, Router
 from kinference.consumer.share import ShareLedger, ShareSource
-from kinference.consumer.source import Committer, Source
+from kinference.consumer.source import Source
 from kinference.consumer.stages import Pipeline
-from kinference.consumer.transactions import MemberSlot, TransactionalPublisher
+from kinference.consumer.transactions import MemberSlot, TransactionCheckpoint
 from kinference.errors import ConfigError, RequestError
 from kinference.handlers import Handler, HandlerContext, load_handler
 from kinference.protocol import ErrorCode
@@ -108,10 +108,12 @@ class Service:
     """``with Service(config) as service: service.wait_ready(30)`` runs kinference in this process."""
 
     def __init__(self, config: ServiceConfig, handler: Handler | None = None,
-                 tracer_provider: TracerProvider | None = None) -> None:
+                 tracer_provider: TracerProvider | None = None, host_dir: Path | None = None) -> None:
         """``tracer_provider``: where spans go with ``tracing`` on, instead of the exporters the OTEL_* environment
-        variables name (tests pass one with an in-memory exporter); flushed at stop, never shut down here."""
+        variables name (tests pass one with an in-memory exporter); flushed at stop, never shut down here.
+        ``host_dir``: the directory the workers of one host share (``--workers N``), handed to the handlers."""
         self.config = config
+        self._host_dir = host_dir
         self._tracer_provider = tracer_provider
         self.tracing: Tracing | None = None
         if handler is not None and config.models:
@@ -130,7 +132,7 @@ class Service:
         self._started = False
         self._stopped = threading.Event()
         self._slot: MemberSlot | None = None
-        self.publisher: Publisher | TransactionalPublisher | None = None
+        self.publisher: Publisher | None = None
         self.source: Source | ShareSource | None = None
         self.lag: LagMonitor | None = None
 
@@ -165,7 +167,7 @@ class Service:
             model.handler.setup(HandlerContext(device=device, model=_path(settings.model),
                                                options=dict(settings.handler_options),
                                                max_batch_size=settings.micro_batch_size or settings.max_batch_size,
-                                               registry=self.metrics.registry))
+                                               registry=self.metrics.registry, host_dir=self._host_dir))
         try:
             self._build(config)
         except KafkaException as exc:
@@ -193,33 +195,30 @@ class Service:
     def _build(self, config: ServiceConfig) -> None:
         # Everything in flight fits in the publisher's queue, so the poll thread never waits on it.
         queue_size = config.max_in_flight + config.max_poll_records
-        committer: Committer
+        checkpoint: TransactionCheckpoint | ConsumerCheckpoint
+        producer_config = config.producer_config()
         if config.delivery == "exactly-once":
-            publisher = TransactionalPublisher(
-                config.producer_config(),
-                self._transactional_id(config),
-                config.dead_letter_topic,
+            checkpoint = TransactionCheckpoint(
                 self.tracker,
                 group_metadata=lambda: self.source.group_metadata(),  # type: ignore[union-attr]
-                queue_size=queue_size,
                 metrics=self.metrics,
                 commit_interval_s=config.commit_interval_ms / 1000,
                 timeout_s=config.transaction_call_timeout_s,
-                tracing=self.tracing,
             )
-            self.publisher = committer = publisher
+            producer_config["transactional.id"] = self._transactional_id(config)
         else:
-            self.publisher = Publisher(
-                config.producer_config(),
-                config.dead_letter_topic,
-                on_answered=self.tracker.finish,
-                queue_size=queue_size,
-                metrics=self.metrics,
-                delivery_retry_timeout_s=config.delivery_retry_timeout_s,
-                stall_timeout_s=config.stall_timeout_s,
-                tracing=self.tracing,
-            )
-            committer = ConsumerCommitter(self.tracker, self.metrics, config.commit_interval_ms / 1000)
+            # A share group's ledger takes the acknowledged requests too; its source acknowledges them itself.
+            checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, config.commit_interval_ms / 1000)
+        self.publisher = Publisher(
+            producer_config,
+            config.dead_letter_topic,
+            checkpoint,
+            queue_size=queue_size,
+            metrics=self.metrics,
+            delivery_retry_timeout_s=config.delivery_retry_timeout_s,
+            stall_timeout_s=config.stall_timeout_s,
+            tracing=self.tracing,
+        )
         for model in self.models:
             self._build_model(model, self.publisher)
         schemas = self._schemas(config)
@@ -232,7 +231,7 @@ class Service:
             self.source = ShareSource(config, intake, self.tracker, self.metrics)
             return
         publisher, tracker = self.publisher, self.tracker
-        self.source = source = Source(config, intake, tracker, self._discard, committer,
+        self.source = source = Source(config, intake, tracker, self._discard, checkpoint,
                                       in_flight=lambda: tracker.in_flight + publisher.held, metrics=self.metrics)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: source.rebalance.partitions, self.metrics,

@@ -8,8 +8,8 @@ It alone calls the consumer (a librdkafka consumer is not to be shared across th
    together (``admission``: the handler validates and prices them, one call for all), and route each on;
    whatever a record does, the loop goes on with the next one; then check that the consumer handed over
    every record it passed;
-3. commit what is answered (``commit.ConsumerCommitter``, or nothing here in exactly-once, where offsets go
-   into transactions);
+3. commit what is answered (the checkpoint: ``commit.ConsumerCheckpoint``; nothing here in exactly-once, where
+   offsets go into transactions);
 4. pause or resume the partitions for flow control (``flow``).
 
 Rebalances run inside ``consume()`` (``rebalance``). Because this thread never runs the model, a slow model
@@ -52,7 +52,7 @@ def is_fatal(error: KafkaError) -> bool:
 
 
 class Committer(Protocol):
-    """How answered offsets are committed: ``commit.ConsumerCommitter`` or the transactional publisher."""
+    """How answered offsets are committed: the checkpoint (``checkpoint.Checkpoint``)."""
 
     def maybe_commit(self, consumer: Any, now: float) -> None: ...
 

@@ -60,6 +60,9 @@ class HandlerContext:
     registry: Any = None
     """The service's ``prometheus_client.CollectorRegistry``, for the handler's own metrics (served on /metrics
     with the service's); None outside the service."""
+    host_dir: Path | None = None
+    """A directory that the worker processes of one host share (``serve --workers N``), for what there is one of per
+    host (the ``sim`` handler's device); None in a single process."""
 
 
 class Handler(ABC):

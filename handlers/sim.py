@@ -14,13 +14,23 @@ at about 30 padded tokens per short sentence that is ~2.3 us per token, and an H
 a V100 on BERT-sized encoders, hence ``per_token_us=0.5``. ``fixed_ms=1.0`` is the launch cost of an eager
 6-layer encoder (~60 kernels of ~15 us each). Options ``fixed_ms`` and ``per_token_us`` set other devices.
 
-``stats()`` reports the time the simulated device was busy, so a benchmark can give its busy fraction.
+One device per host: with ``serve --workers N`` (``HandlerContext.host_dir`` given) every worker queues on the
+same simulated device, kept in a small file of that directory under an exclusive ``fcntl.flock`` (``SharedDevice``),
+as N processes' CUDA contexts share one GPU; in a single process the device is the process's (``Device``).
+
+``stats()`` reports the time the simulated device was busy, so a benchmark can give its busy fraction; with a
+shared device, the whole host's.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import struct
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,6 +39,7 @@ import torch
 from transformers import AutoConfig
 
 from kinference.errors import HandlerLoadError
+from kinference.handlers.base import HandlerContext
 from kinference.handlers.embedding import EmbeddingHandler
 from kinference.handlers.text import TextBatch
 
@@ -41,33 +52,101 @@ class SimulatedAccelerator(EmbeddingHandler):
         """The model's configuration only: there are no weights to run."""
         return SimpleNamespace(config=AutoConfig.from_pretrained(model_dir, local_files_only=True))
 
+    def setup(self, context: HandlerContext) -> None:
+        super().setup(context)
+        self._device: Device | SharedDevice = Device() if context.host_dir is None else SharedDevice(
+            Path(context.host_dir) / DEVICE_FILE)
+
     def configure(self, options: dict[str, Any]) -> None:
         super().configure(options)
         self.fixed_s = _non_negative(options, "fixed_ms") / 1000
         self.per_token_s = _non_negative(options, "per_token_us") / 1_000_000
         self._width = int(self.model.config.hidden_size)
+
+    def inference(self, inputs: TextBatch) -> torch.Tensor:
+        done_at = self._device.queue(self.fixed_s + self.per_token_s * inputs.tensors["input_ids"].numel())
+        time.sleep(max(0.0, done_at - time.monotonic()))  # releases the GIL, as waiting for a GPU does
+        return torch.zeros(inputs.real_rows, self._width)
+
+    def stats(self) -> dict[str, float]:
+        """Seconds the simulated device has been busy, and the calls it ran (with a shared device: every worker's)."""
+        return self._device.stats()
+
+    def close(self) -> None:
+        self._device.close()
+        super().close()
+
+    def describe(self) -> dict[str, str]:
+        return {**super().describe(), "simulated": f"{self.fixed_s * 1000:g} ms + {self.per_token_s * 1e6:g} us/token"}
+
+
+DEVICE_FILE = "sim-device"
+
+
+class Device:
+    """One simulated device in this process: batches run one at a time, in the order they were queued."""
+
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free_at = 0.0
         """``time.monotonic()`` when the device has finished all the work queued on it."""
         self._busy_s = 0.0
         self._calls = 0
 
-    def inference(self, inputs: TextBatch) -> torch.Tensor:
-        seconds = self.fixed_s + self.per_token_s * inputs.tensors["input_ids"].numel()
+    def queue(self, seconds: float) -> float:
+        """Queue ``seconds`` of work; the ``time.monotonic()`` at which it is done."""
         with self._lock:
             done_at = self._free_at = max(time.monotonic(), self._free_at) + seconds
             self._busy_s += seconds
             self._calls += 1
-        time.sleep(max(0.0, done_at - time.monotonic()))  # releases the GIL, as waiting for a GPU does
-        return torch.zeros(inputs.real_rows, self._width)
+        return done_at
 
     def stats(self) -> dict[str, float]:
-        """Seconds the simulated device has been busy, and the calls it ran, since setup."""
         with self._lock:
             return {"busy_s": self._busy_s, "calls": self._calls}
 
-    def describe(self) -> dict[str, str]:
-        return {**super().describe(), "simulated": f"{self.fixed_s * 1000:g} ms + {self.per_token_s * 1e6:g} us/token"}
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class SharedDevice:
+    """One simulated device for every process that opens the same file: its queue's end, busy time and call count
+    live in the file (three doubles), read and written under an exclusive ``flock``. ``time.monotonic()`` is the
+    host's CLOCK_MONOTONIC, the same in every process."""
+
+    _LAYOUT = struct.Struct("=3d")
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock = threading.Lock()  # flock is per open file: the threads of one process take turns here first
+
+    def queue(self, seconds: float) -> float:
+        with self._locked():
+            free_at, busy_s, calls = self._read()
+            done_at = max(time.monotonic(), free_at) + seconds
+            os.pwrite(self._fd, self._LAYOUT.pack(done_at, busy_s + seconds, calls + 1), 0)
+        return done_at
+
+    def stats(self) -> dict[str, float]:
+        with self._locked():
+            _, busy_s, calls = self._read()
+        return {"busy_s": busy_s, "calls": int(calls)}
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def _read(self) -> tuple[float, float, float]:
+        raw = os.pread(self._fd, self._LAYOUT.size, 0)
+        return self._LAYOUT.unpack(raw) if len(raw) == self._LAYOUT.size else (0.0, 0.0, 0.0)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
 
 def _non_negative(options: dict[str, Any], key: str) -> float:

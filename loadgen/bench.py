@@ -128,7 +128,7 @@ def default_setting(settings: Sequence[KinferenceSetting] = KINFERENCE_SETTINGS)
     return matches[0]
 
 
-_SERVE_KAFKA = {key: TRANSPORT_CONSUMER[key] for key in ("session.timeout.ms", "heartbeat.interval.ms",
+SERVE_KAFKA = {key: TRANSPORT_CONSUMER[key] for key in ("session.timeout.ms", "heartbeat.interval.ms",
                                                           "fetch.wait.max.ms")}
 
 
@@ -154,7 +154,7 @@ def serve_kinference(overrides: dict[str, Any], handler: str, bootstrap_servers:
     config = ServiceConfig(
         bootstrap_servers=bootstrap_servers, request_topics=[topics["requests"]],
         reply_topic=topics["replies"], dead_letter_topic=topics["dead"],
-        group_id=f"bench-{topics['requests']}", handler=handler, kafka_consumer=_SERVE_KAFKA,
+        group_id=f"bench-{topics['requests']}", handler=handler, kafka_consumer=SERVE_KAFKA,
         metrics=False, shutdown_grace_s=5.0, **overrides)
     with Service(config, tracer_provider=tracer_provider) as service:
         ready_or_fail(service.wait_ready(READY_TIMEOUT_S), config.group_id)

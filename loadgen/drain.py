@@ -17,10 +17,13 @@ embedded Tansu, or Apache Kafka):
   waits ``fixed_ms + per_token_us x padded tokens`` with the GIL released), at the modelled speed of MiniLM on a
   current GPU, then slowed so that its capacity is each of ``--sim-capacities`` x the echo drain rate;
 - ``kinference-embedding``: the real MiniLM on this machine (fewer requests, ``--embedding-requests``), beside
-  its in-process ceiling (the handler called in a loop on the same texts sorted by length).
+  its in-process ceiling (the handler called in a loop on the same texts sorted by length);
+- ``kinference-echo-2-workers`` and ``kinference-sim-2-workers``: echo, and the simulated GPU at its modelled
+  speed, with ``serve --workers 2`` (a supervisor and two worker processes; the sim's device is one for both).
 
-Reported for each: messages per second; CPU time per message (the contender process's user + system time over
-the drain, librdkafka's threads included); where the time goes (a py-spy sampling profile of the contender,
+Reported for each: messages per second; CPU time per message (the contender's processes' user + system time over
+the drain, librdkafka's threads and a supervisor's workers included), and the broker's beside it (the embedded
+broker is a child process of the drain); where the time goes (a py-spy sampling profile of the contender,
 its active samples summarised per stage, as thread-microseconds per message); and for ``sim`` the simulated
 device's busy fraction. Kafka settings as in ``kinference bench``; commits every 100 ms for every contender,
 so that the end of a drain is seen within that.
@@ -38,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -55,11 +59,12 @@ from rich.table import Table
 
 from kinference.consumer.broker import BROKER_KINDS, LOW_LATENCY_CONSUMER, local_broker
 from kinference.consumer.service import Service, resolve_device
+from kinference.consumer.supervisor import Supervisor
 from kinference.consumer.topics import create_topics
 from kinference.handlers import HandlerContext, load_handler
 from kinference.loadgen.baselines import CommittingRelay, LoopThread
-from kinference.loadgen.bench import measure_ceiling, serve_kinference, serve_loop
-from kinference.loadgen.contender import Serve, Topics, contender, setup_logging
+from kinference.loadgen.bench import SERVE_KAFKA, measure_ceiling, serve_kinference, serve_loop
+from kinference.loadgen.contender import READY_TIMEOUT_S, Serve, Topics, contender, ready_or_fail, setup_logging
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
 from kinference.loadgen.outputs import add_report_arguments, write_reports
 from kinference.protocol import CORRELATION_ID, REPLY_TO, SPRING_REPLY_PARTITION, encode_partition
@@ -81,7 +86,8 @@ class DrainOptions:
     sim_capacities: tuple[float, ...] = (0.5, 0.75, 1.0)
     sim_inference_threads: tuple[int, ...] = (1, 2)
     """The slowed simulated GPUs run with each of these inference thread counts (CUDA streams on a GPU)."""
-    contenders: tuple[str, ...] = ("relay", "kinference-echo", "kinference-sim", "kinference-embedding")
+    contenders: tuple[str, ...] = ("relay", "kinference-echo", "kinference-sim", "kinference-embedding",
+                                   "kinference-echo-2-workers", "kinference-sim-2-workers")
     profile: bool = True
     profiles_dir: Path | None = None
     """Where to keep each contender's raw py-spy profile (collapsed stacks: input for flame graphs)."""
@@ -101,9 +107,16 @@ class Drain:
     group: str
     requests: int
     extra: dict[str, Any] = field(default_factory=dict)
+    backlog_after_ready: bool = False
+    """Produce the backlog once the contender is ready, and time it from then: several worker processes join the
+    group one after the other, and the first would otherwise drain alone before the drain could start its clock.
+    The broker's CPU over the drain then holds the backlog's ingest too, which is taken out (measured apart on the
+    backlogs produced before a contender starts, ``broker_ingest_us_per_msg``)."""
 
 
-CONTENDERS = ("relay", "kinference-echo", "kinference-echo-traced", "kinference-sim", "kinference-embedding")
+CONTENDERS = ("relay", "kinference-echo", "kinference-echo-traced", "kinference-sim", "kinference-embedding",
+              "kinference-echo-2-workers", "kinference-sim-2-workers")
+SIM_OPTIONS = {"fixed_ms": SIM_FIXED_MS, "per_token_us": SIM_PER_TOKEN_US}
 """Every contender ``--contenders`` may name; ``DrainOptions.contenders`` runs by default."""
 
 
@@ -115,6 +128,59 @@ def _serve_traced(overrides: dict[str, Any], handler: str, bootstrap_servers: st
     with serve_kinference({**overrides, "tracing": True}, handler, bootstrap_servers, topics,
                           tracer_provider=TracerProvider()) as service:
         yield service
+
+
+class _Workers:
+    """A running ``serve --workers N`` contender: its ``stats()`` are the host's simulated device's, if any."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        from kinference.handlers.sim import DEVICE_FILE
+
+        self._device = supervisor.host_dir / DEVICE_FILE
+
+    def stats(self) -> dict[str, float]:
+        from kinference.handlers.sim import SharedDevice  # torch: only where a sim contender runs
+
+        if not self._device.exists():
+            return {}
+        device = SharedDevice(self._device)
+        try:
+            return device.stats()
+        finally:
+            device.close()
+
+
+@contextlib.contextmanager
+def _serve_workers(workers: int, handler: str, handler_options: dict[str, Any], bootstrap_servers: str,
+                   topics: Topics) -> Iterator[_Workers]:
+    """kinference's defaults as the other contenders run them, with ``--workers``: a supervisor (in this process)
+    and its worker processes."""
+    flags = ["--bootstrap-servers", bootstrap_servers, "--request-topics", topics["requests"],
+             "--reply-topic", topics["replies"], "--dead-letter-topic", topics["dead"],
+             "--group-id", f"bench-{topics['requests']}", "--handler", handler,
+             "--commit-interval-ms", str(int(COMMIT_INTERVAL_S * 1000)), "--shutdown-grace-s", "5",
+             "--log-level", "WARNING", "--workers", "1", "--no-metrics",
+             *(item for key, value in SERVE_KAFKA.items() for item in ("--kafka-consumer", f"{key}={value}")),
+             *(item for key, value in handler_options.items() for item in ("--handler-options", f"{key}={value}"))]
+    supervisor = Supervisor(workers, lambda report: [sys.executable, "-m", "kinference", "serve", *flags,
+                                                     "--worker-report", str(report)], grace_s=5.0)
+    runner = threading.Thread(target=supervisor.run, name="drain-supervisor", daemon=True)
+    runner.start()
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S + 120  # interpreters, imports and the model, then the group
+        while not all(supervisor.readiness_checks().values()):
+            ready_or_fail(time.monotonic() < deadline and runner.is_alive(), f"bench-{topics['requests']}")
+            time.sleep(_WATCH_S)
+        yield _Workers(supervisor)
+    finally:
+        supervisor.stop()
+        runner.join(READY_TIMEOUT_S)
+
+
+def workers_drain(name: str, about: str, handler: str, topics: Topics, requests: int, workers: int = 2,
+                  handler_options: dict[str, Any] | None = None) -> Drain:
+    return Drain(name, about, partial(_serve_workers, workers, handler, handler_options or {}),
+                 f"bench-{topics['requests']}", requests, backlog_after_ready=True)
 
 
 def _committing_relay(bootstrap_servers: str, topic: str) -> LoopThread:
@@ -146,6 +212,8 @@ class Run:
         self.console = console
         self.began = time.monotonic()
         self.payloads = builtin_corpus(options.corpus, seed=options.seed)
+        self.ingest_us_per_msg: float | None = None
+        """The broker's CPU per message to take in a backlog (see ``Drain.backlog_after_ready``)."""
 
     def run(self) -> dict[str, Any]:
         options = self.options
@@ -153,7 +221,7 @@ class Run:
         rows: list[dict[str, Any]] = []
         ceiling = None
         with local_broker(options.broker) as broker:
-            self.bootstrap = broker.bootstrap_servers
+            self.bootstrap, self.broker_pid = broker.bootstrap_servers, broker.pid
             broker_description = broker.description
             if "relay" in options.contenders:
                 rows.append(self._drain(lambda topics: relay_drain(topics, options.requests)))
@@ -173,6 +241,14 @@ class Run:
                 rows.append(self._drain(lambda topics: kinference_drain(
                     "kinference-embedding", "kinference's defaults, the real MiniLM on this machine", "embedding",
                     topics, options.embedding_requests)))
+            if "kinference-echo-2-workers" in options.contenders:
+                rows.append(self._drain(lambda topics: workers_drain(
+                    "kinference-echo-2-workers", "kinference-echo with --workers 2", "echo", topics,
+                    options.requests)))
+            if "kinference-sim-2-workers" in options.contenders:
+                rows.append(self._drain(lambda topics: workers_drain(
+                    "kinference-sim-2-workers", "kinference-sim with --workers 2, one simulated device for both",
+                    "sim", topics, options.requests, handler_options=SIM_OPTIONS)))
         if "kinference-embedding" in options.contenders:
             ceiling = self._ceiling()
         report = {"command": "kinference drain", "started": started, "wall_s": round(time.monotonic() - self.began, 1),
@@ -190,7 +266,7 @@ class Run:
         options = self.options
         modelled = self._drain(lambda topics: kinference_drain(
             "kinference-sim", f"simulated GPU: {SIM_FIXED_MS:g} ms + {SIM_PER_TOKEN_US:g} us/token", "sim", topics,
-            options.requests, handler_options={"fixed_ms": SIM_FIXED_MS, "per_token_us": SIM_PER_TOKEN_US}))
+            options.requests, handler_options=SIM_OPTIONS))
         rows = [modelled]
         capacity = modelled["extra"].get("device_capacity_per_s")
         if echo_rate is None or not capacity:
@@ -212,19 +288,25 @@ class Run:
         drain: Drain = make(topics)
         create_topics(self.bootstrap, {topics["requests"]: options.partitions, topics["replies"]: options.partitions,
                                        topics["dead"]: 1})
-        self._step(f"{drain.name}: producing {drain.requests:,} requests")
-        ends = produce_backlog(self.bootstrap, topics, options.partitions, drain.requests, self.payloads)
+        if not drain.backlog_after_ready:
+            ends = self._backlog(drain, topics)
         self._step(f"{drain.name}: starting its process and draining")
         with contender(f"drain-{drain.name}", drain.serve, self.bootstrap, topics) as running:
-            started, cpu_before = time.monotonic(), process_cpu_s(running.pid)
+            started = time.monotonic()
+            cpu_before, broker_before = process_tree_cpu_s(running.pid), process_cpu_s(self.broker_pid)
             keep = options.profiles_dir / f"{drain.name}.txt" if options.profiles_dir else None
             with profiling(running.pid, options.profile, keep) as profile:
+                if drain.backlog_after_ready:
+                    ends = self._backlog(drain, topics)
                 finished = wait_committed(self.bootstrap, drain.group, ends, options.timeout_s)
-                cpu_after = process_cpu_s(running.pid)
+                cpu_after, broker_after = process_tree_cpu_s(running.pid), process_cpu_s(self.broker_pid)
+        if drain.backlog_after_ready and self.ingest_us_per_msg is not None:
+            broker_after -= self.ingest_us_per_msg * drain.requests / 1e6
         elapsed = finished - started
         row = {"contender": drain.name, "about": drain.about, "requests": drain.requests,
                "seconds": round(elapsed, 3), "msgs_per_s": round(drain.requests / elapsed, 1),
                "cpu_us_per_msg": round((cpu_after - cpu_before) / drain.requests * 1e6, 1),
+               "broker_cpu_us_per_msg": round((broker_after - broker_before) / drain.requests * 1e6, 1),
                "profile": profile.summary(drain.requests), "extra": dict(drain.extra)}
         busy = running.stopped.get("busy_s", 0.0) - running.ready.get("busy_s", 0.0)
         calls = running.stopped.get("calls", 0) - running.ready.get("calls", 0)
@@ -232,9 +314,23 @@ class Run:
             row["device_busy"] = round(min(1.0, busy / elapsed), 3)
             # What the simulated device could do alone at the batches it got: items per busy second.
             row["extra"]["device_capacity_per_s"] = round(drain.requests / busy, 1) if busy else None
-        self._step(f"{drain.name}: {row['msgs_per_s']:,.0f} msg/s, {row['cpu_us_per_msg']:g} us CPU/msg"
+        if self.ingest_us_per_msg is not None:
+            row["extra"]["broker_ingest_us_per_msg"] = round(self.ingest_us_per_msg, 1)
+        elif drain.backlog_after_ready:
+            row["extra"]["broker_cpu_includes_ingest"] = True  # no backlog was produced alone to measure it on
+        self._step(f"{drain.name}: {row['msgs_per_s']:,.0f} msg/s, {row['cpu_us_per_msg']:g} us CPU/msg "
+                   f"(broker {_broker(row)})"
                    + (f", device busy {row['device_busy']:.0%}" if "device_busy" in row else ""))
         return row
+
+    def _backlog(self, drain: Drain, topics: Topics) -> dict[tuple[str, int], int]:
+        """Produce the drain's backlog; the broker's CPU per message to take it in is kept (the latest)."""
+        self._step(f"{drain.name}: producing {drain.requests:,} requests")
+        before = process_cpu_s(self.broker_pid)
+        ends = produce_backlog(self.bootstrap, topics, self.options.partitions, drain.requests, self.payloads)
+        if not drain.backlog_after_ready:  # alone on the broker: its ingest, and nothing else
+            self.ingest_us_per_msg = (process_cpu_s(self.broker_pid) - before) / drain.requests * 1e6
+        return ends
 
     def _ceiling(self) -> dict[str, Any]:
         self._step("the embedding handler in-process, texts sorted by length (the ceiling)")
@@ -307,6 +403,24 @@ def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far, all its threads (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """``process_cpu_s`` of ``pid`` and of every live process descending from it (a supervisor's workers)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # it ended meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError):
+            total += process_cpu_s(current)
+        todo += children.get(current, [])
+    return total
 
 
 # --- where the time goes: a py-spy profile of the contender, summarised per stage
@@ -392,7 +506,7 @@ def profiling(pid: int, enabled: bool, keep: Path | None = None) -> Iterator[Pro
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "profile.txt"
         recorder = subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", str(profile.rate_hz),
-                                     "--format", "raw", "--output", str(output), "--nonblocking"],
+                                     "--format", "raw", "--output", str(output), "--nonblocking", "--subprocesses"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             yield profile
@@ -443,13 +557,14 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def drain_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"drain on {_broker_of(report)}", box=box.SIMPLE_HEAVY)
-    for column in ("contender", "requests", "msg/s", "µs CPU/msg", "device busy", "top stages (thread-µs/msg)"):
+    for column in ("contender", "requests", "msg/s", "µs CPU/msg", "broker µs CPU/msg", "device busy",
+                   "top stages (thread-µs/msg)"):
         table.add_column(column, justify="left" if column in ("contender", "top stages (thread-µs/msg)") else "right")
     for row in report["drains"]:
         stages = row["profile"].get("us_per_msg", {})
         top = ", ".join(f"{stage} {us:g}" for stage, us in list(stages.items())[:4]) or row["profile"].get("note", "")
         table.add_row(row["contender"], f"{row['requests']:,}", f"{row['msgs_per_s']:,.0f}",
-                      f"{row['cpu_us_per_msg']:g}",
+                      f"{row['cpu_us_per_msg']:g}", _broker(row),
                       f"{row['device_busy']:.0%}" if "device_busy" in row else "", top)
     return table
 
@@ -460,14 +575,14 @@ def _broker_of(report: dict[str, Any]) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"Broker: {_broker_of(report)}.", "",
-             "| contender | requests | msg/s | µs CPU/msg | device busy | where the time goes (thread-µs/msg) |",
-             "|---|---|---|---|---|---|"]
+             "| contender | requests | msg/s | µs CPU/msg | broker µs CPU/msg | device busy "
+             "| where the time goes (thread-µs/msg) |", "|---|---|---|---|---|---|---|"]
     for row in report["drains"]:
         stages = row["profile"].get("us_per_msg", {})
         top = ", ".join(f"{stage} {us:g}" for stage, us in list(stages.items())[:6]) or row["profile"].get("note", "")
         busy = f"{row['device_busy']:.0%}" if "device_busy" in row else ""
         lines.append(f"| {row['contender']} | {row['requests']:,} | {row['msgs_per_s']:,.0f} "
-                     f"| {row['cpu_us_per_msg']:g} | {busy} | {top} |")
+                     f"| {row['cpu_us_per_msg']:g} | {_broker(row)} | {busy} | {top} |")
     ceiling = report.get("embedding_ceiling")
     if ceiling:
         lines += ["", f"In-process length-grouped ceiling of the embedding handler: {ceiling['best_items_per_s']:,.0f} "
@@ -475,6 +590,11 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "| target | value | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in report["targets"]]
     return "\n".join(lines) + "\n"
+
+
+def _broker(row: dict[str, Any]) -> str:
+    """The broker's CPU per message; blank in reports from before it was measured."""
+    return f"{row['broker_cpu_us_per_msg']:g}" if "broker_cpu_us_per_msg" in row else ""
 
 
 def build_parser() -> argparse.ArgumentParser:

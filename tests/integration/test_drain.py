@@ -14,10 +14,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.mark.timeout(600)
-def test_a_small_drain_of_every_contender(tmp_path):
+def test_a_small_drain_of_every_single_process_contender(tmp_path):
     out = tmp_path / "drain.json"
     assert drain.main(["--requests", "2000", "--embedding-requests", "200", "--sim-capacities", "1",
                        "--sim-inference-threads", "1",
+                       "--contenders", "relay,kinference-echo,kinference-sim,kinference-embedding",
                        "--out", str(out), "--markdown", str(tmp_path / "drain.md"),
                        "--profiles", str(tmp_path / "profiles")]) == 0
     report = orjson.loads(out.read_bytes())
@@ -27,6 +28,7 @@ def test_a_small_drain_of_every_contender(tmp_path):
     for name, row in rows.items():
         # /proc counts CPU in clock ticks (10 ms): the relay's 2,000 messages take about one, so it may read 0.
         assert row["msgs_per_s"] > 0 and (row["cpu_us_per_msg"] > 0 or name == "relay")
+        assert row["broker_cpu_us_per_msg"] >= 0
     assert 0 < rows["kinference-sim"]["device_busy"] <= 1 and rows["kinference-sim"]["extra"]["device_capacity_per_s"]
     assert report["embedding_ceiling"]["best_items_per_s"] > 0 and len(report["targets"]) == 3
     profiled = rows["kinference-echo"]["profile"]
@@ -60,3 +62,18 @@ def test_the_traced_echo_contender_drains_with_tracing_on_when_named(tmp_path):
     (row,) = orjson.loads(out.read_bytes())["drains"]
     assert row["contender"] == "kinference-echo-traced" and row["msgs_per_s"] > 0
     assert "kinference-echo-traced" not in drain.DrainOptions().contenders  # opt in: not in a default run
+
+
+@pytest.mark.timeout(300)
+def test_the_two_worker_contenders_drain_with_one_shared_simulated_device(tmp_path):
+    """``serve --workers 2``: the contenders' CPU is the supervisor's and its workers', and the sim's device busy
+    time is both workers' on one device."""
+    out = tmp_path / "drain.json"
+    assert drain.main(["--contenders", "kinference-echo-2-workers,kinference-sim-2-workers", "--requests", "8000",
+                       "--no-profile", "--out", str(out)]) == 0
+    rows = {row["contender"]: row for row in orjson.loads(out.read_bytes())["drains"]}
+    assert set(rows) == {"kinference-echo-2-workers", "kinference-sim-2-workers"}
+    for row in rows.values():
+        assert row["msgs_per_s"] > 0 and row["cpu_us_per_msg"] > 0 and row["broker_cpu_us_per_msg"] >= 0
+    assert 0 < rows["kinference-sim-2-workers"]["device_busy"] <= 1
+    assert "device_busy" not in rows["kinference-echo-2-workers"]

@@ -38,3 +38,23 @@ def test_replies_and_offsets_commit_together(broker):
         assert service.wait_ready(30)
         time.sleep(1.5)
     assert len(read(broker.bootstrap_servers, topics["replies"], 300, settle_s=1.0, **READ_COMMITTED)) == 300
+
+
+def test_a_reply_partition_the_topic_lacks_aborts_nothing(broker):
+    """Issue 20, defect 3: one client's ``kafka_replyPartition`` naming a partition the reply topic lacks aborted the
+    transaction of every reply with it, until the service stopped. It gets ``bad_request`` on the default
+    partition, and the other replies commit."""
+    topics = broker.topics(requests=1, replies=1, dead=1)
+    too_far = [(protocol.SPRING_REPLY_PARTITION, protocol.encode_partition(7))]
+    records = [(None, orjson.dumps(i), [(protocol.CORRELATION_ID, str(i).encode()), *(too_far if i % 5 == 0 else [])])
+               for i in range(20)]
+    config = service_config(broker.bootstrap_servers, topics, delivery="exactly-once", commit_interval_ms=100)
+    with Service(config) as service:
+        assert service.wait_ready(30)
+        produce(broker.bootstrap_servers, topics["requests"], records)
+        replies = read(broker.bootstrap_servers, topics["replies"], 20, settle_s=0.5, **READ_COMMITTED)
+        aborts = service.metrics.commit_failures._value.get()
+        assert service.healthy
+    codes = Counter(headers_of(m).get(protocol.ERROR_CODE) for m in replies)
+    assert len(replies) == 20 and codes == {None: 16, b"bad_request": 4}
+    assert aborts == 0

@@ -3,7 +3,7 @@ import threading
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from kinference.consumer.commit import ConsumerCommitter, OffsetTracker
+from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
 from kinference.consumer.metrics import Metrics
 from tests.fakes import make_request
 
@@ -194,14 +194,14 @@ class FakeConsumer:
         return None
 
 
-def answered_once() -> tuple[ConsumerCommitter, OffsetTracker, Metrics]:
+def answered_once() -> tuple[ConsumerCheckpoint, OffsetTracker, Metrics]:
     """A committer whose tracker has one answered record at offset 0 of P0."""
     tracker, metrics = OffsetTracker(), Metrics()
     tracker.assign([P0])
     request = make_request(offset=0)
     track(tracker, request)
     tracker.finish([request])
-    return ConsumerCommitter(tracker, metrics, interval_s=1.0), tracker, metrics
+    return ConsumerCheckpoint(tracker, metrics, interval_s=1.0), tracker, metrics
 
 
 def test_committer_commits_asynchronously_on_its_interval_and_learns_from_the_report():

@@ -65,5 +65,5 @@ def test_markdown_has_a_row_per_drain_and_the_targets():
     data["embedding_ceiling"].update(best_batch_size=32)
     data["targets"] = evaluate_targets(data)
     text = markdown(data)
-    assert "| kinference-echo | 1,000 | 600 | 12.5 |  | poll: decode 3 |" in text
+    assert "| kinference-echo | 1,000 | 600 | 12.5 |  |  | poll: decode 3 |" in text
     assert "| echo drain >= 0.5 x relay drain | 0.6 | yes |" in text

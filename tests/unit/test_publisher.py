@@ -1,227 +1,235 @@
-"""The publisher's delivery bookkeeping, with a fake producer (pure logic: no broker)."""
+"""The publisher's delivery bookkeeping, with a fake producer (pure logic: no broker).
+
+The suite runs against both checkpoints: whatever answers a request, and whatever replaces a refused record, is the
+same in both delivery modes; only when the answer becomes durable differs. Tests of one mode's own rules follow
+(exactly-once's transactional contract is in ``test_transactions``)."""
 
 from __future__ import annotations
 
-from confluent_kafka import KafkaError, KafkaException
+import pytest
+from confluent_kafka import KafkaError, TopicPartition
 
+from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.publisher import Publisher
+from kinference.consumer.transactions import TransactionCheckpoint
 from kinference.errors import RequestError
-from kinference.protocol import ErrorCode, encode_result
-from tests.fakes import make_request, wait_for
+from kinference.protocol import ERROR_CODE, ErrorCode, encode_result
+from tests.fakes import FakeProducer, make_request, wait_for
+
+P0 = ("requests", 0)
+AT_LEAST_ONCE, EXACTLY_ONCE = "at-least-once", "exactly-once"
 
 
-class FakeMessage:
-    def __init__(self, topic, value, key, headers, partition):
-        self._fields = (topic, value, key, headers, partition)
+class Harness:
+    """A started publisher with one checkpoint, its tracker, and what has become durable."""
 
-    def topic(self):
-        return self._fields[0]
+    def __init__(self, mode: str, producers, **options) -> None:
+        FakeProducer.instances.clear()
+        self.mode = mode
+        self.tracker = OffsetTracker()
+        self.tracker.assign([P0])
+        self.metrics = Metrics()
+        if mode == EXACTLY_ONCE:
+            checkpoint = TransactionCheckpoint(self.tracker, lambda: "generation-1", self.metrics,
+                                               commit_interval_s=0.05)
+            config = {"transactional.id": "tid"}
+        else:
+            checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, interval_s=1.0)
+            config = {}
+        factories = iter(producers)
+        self.publisher = Publisher(config, "dead", checkpoint, queue_size=100, metrics=self.metrics,
+                                   producer_factory=lambda c: next(factories)(c), **options)
+        self.publisher.start()
 
-    def value(self):
-        return self._fields[1]
+    def request(self, offset: int, result=None, **fields):
+        request = make_request({"x": offset}, offset=offset)
+        request.reply_value = encode_result(result if result is not None else {"x": offset})
+        request.ledger = self.tracker.track(P0, offset)
+        for name, value in fields.items():
+            setattr(request, name, value)
+        return request
 
-    def key(self):
-        return self._fields[2]
+    @property
+    def durable(self) -> int:
+        """The position made durable: what the consumer would commit now, or what the last transaction did."""
+        if self.mode == AT_LEAST_ONCE:
+            positions = self.tracker.commit_offsets()
+        else:
+            positions = [TopicPartition(*tp) for producer in FakeProducer.instances
+                         for _, offsets in producer.committed for tp in offsets]
+        return max((tp.offset for tp in positions), default=0)
 
-    def headers(self):
-        return self._fields[3]
+    @property
+    def visible(self):
+        return [message for producer in FakeProducer.instances for message in producer.visible]
 
-    def partition(self):
-        return self._fields[4]
+    @property
+    def aborts(self) -> float:
+        return self.metrics.registry.get_sample_value("kinference_commit_failures_total")
+
+    def stop(self) -> None:
+        self.publisher.stop(5)
 
 
-class FakeProducer:
-    """Delivers on poll; ``fate(topic)`` says which error (or None) each record gets."""
+@pytest.fixture(params=[AT_LEAST_ONCE, EXACTLY_ONCE])
+def mode(request):
+    return request.param
 
-    instances: list[FakeProducer] = []
 
-    def __init__(self, config, fate=lambda topic: None, fatal=None, refuse=lambda value: None):
-        """``refuse(value)``: the error produce() raises at once for that value (too large), or None."""
-        self.error_cb = config["error_cb"]
-        self.fate, self.fatal, self.refuse = fate, fatal, refuse
-        self.queued, self.delivered = [], []
-        FakeProducer.instances.append(self)
+def code_of(message) -> bytes | None:
+    return dict(message.headers()).get(ERROR_CODE)
 
-    def produce(self, topic, value, key, headers=None, on_delivery=None, partition=-1):
-        refused = self.refuse(value or b"")
-        if refused is not None:
-            raise KafkaException(refused)
-        self.queued.append((FakeMessage(topic, value, key, headers, partition), on_delivery))
+
+def test_a_request_is_answered_once_its_reply_and_dead_letter_are_delivered(mode):
+    harness = Harness(mode, [FakeProducer])
+    bad, good = harness.request(0), harness.request(1)
+    bad.error, bad.dead_letter = RequestError("not json", ErrorCode.BAD_REQUEST), True
+    harness.publisher.submit([bad, good])
+    assert wait_for(lambda: harness.durable == 2)
+    harness.stop()
+    assert sorted(m.topic() for m in harness.visible) == ["dead", "replies", "replies"]
+
+
+def test_an_undeliverable_reply_is_answered_by_a_dead_letter(mode):
+    refused = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
+    harness = Harness(mode, [lambda c: FakeProducer(c, fate={"nowhere": refused}.get)])
+    harness.publisher.submit([harness.request(0, reply_topic="nowhere")])
+    assert wait_for(lambda: harness.durable == 1)
+    harness.stop()
+    (dead,) = harness.visible
+    assert dead.topic() == "dead" and code_of(dead) == b"internal_error"
+
+
+def test_a_request_nothing_can_answer_stays_unanswered_and_stops_the_service(mode):
+    refused = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    harness = Harness(mode, [lambda c: FakeProducer(c, fate=lambda t: refused)])
+    harness.publisher.submit([harness.request(0)])
+    assert wait_for(lambda: harness.publisher.failure is not None)
+    assert "cannot be answered" in harness.publisher.failure and "dead" in harness.publisher.failure
+    assert wait_for(lambda: not harness.publisher.alive)  # /healthz fails; the service exits non-zero
+    harness.stop()
+    assert harness.durable == 0  # so its offset is never committed
+
+
+def test_a_record_that_timed_out_is_produced_again_not_dead_lettered(mode):
+    """_MSG_TIMED_OUT after a long broker outage is not the record's fault: the same reply goes out again (after a
+    backoff, or in the next transaction)."""
+    failures = iter([KafkaError(KafkaError._MSG_TIMED_OUT), KafkaError(KafkaError._PURGE_QUEUE)])
+    harness = Harness(mode, [lambda c: FakeProducer(c, fate=lambda t: next(failures, None))])
+    harness.publisher.submit([harness.request(0)])
+    assert wait_for(lambda: harness.durable == 1, timeout_s=10)  # backoff 0.5 s, then 1 s
+    harness.stop()
+    (reply,) = harness.visible
+    assert reply.topic() == "replies" and code_of(reply) is None and harness.publisher.failure is None
+
+
+def test_a_result_too_large_for_the_broker_becomes_a_small_error_reply_without_an_abort(mode):
+    """Refused by produce() itself, the record never entered a transaction: its replacement goes into the same one
+    (issue 20, defect 3: an oversized reply must not abort the transaction of every other reply)."""
+    too_large = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+    harness = Harness(mode, [lambda c: FakeProducer(c, refuse=lambda value: too_large if len(value) > 500 else None)])
+    large, fine = harness.request(0, result={"x": "y" * 1000}), harness.request(1)
+    harness.publisher.submit([large, fine])
+    assert wait_for(lambda: harness.durable == 2)
+    harness.stop()
+    small, other = sorted(harness.visible, key=lambda m: m.value())
+    assert code_of(small) == b"handler_error" and b"too large" in small.value() and code_of(other) is None
+    assert harness.aborts == 0
+
+
+def test_a_reply_partition_the_topic_lacks_gets_bad_request_on_the_default_partition(mode):
+    """Issue 20, defect 3: under exactly-once, such a reply was refused by the broker and aborted the transaction
+    with every other reply in it, over and over. It is checked against the topic's metadata first."""
+    harness = Harness(mode, [lambda c: FakeProducer(c, partitions={"replies": 2})])
+    asked_too_far, fine = harness.request(0, reply_partition=7), harness.request(1, reply_partition=1)
+    harness.publisher.submit([asked_too_far, fine])
+    assert wait_for(lambda: harness.durable == 2)
+    harness.stop()
+    refused, answered = sorted(harness.visible, key=lambda m: m.partition())
+    assert code_of(refused) == b"bad_request" and b"reply partition 7 does not exist" in refused.value()
+    assert refused.partition() == -1  # the default: by key
+    assert code_of(answered) is None and answered.partition() == 1
+    assert harness.aborts == 0 and harness.publisher.failure is None
+
+
+def test_a_record_whose_headers_cannot_be_read_is_answered_by_its_dead_letter_only(mode):
+    harness = Harness(mode, [FakeProducer])
+    request = harness.request(0, dead_letter=True, unroutable=True)
+    request.error = RequestError("headers", ErrorCode.BAD_REQUEST)
+    harness.publisher.submit([request])
+    assert wait_for(lambda: harness.durable == 1)
+    harness.stop()
+    assert [m.topic() for m in harness.visible] == ["dead"]
+
+
+# --- at-least-once: refused records retried one by one, and a dead producer replaced
+
+
+def test_transient_failures_past_the_retry_timeout_stop_the_service():
+    timed_out = KafkaError(KafkaError._MSG_TIMED_OUT)
+    harness = Harness(AT_LEAST_ONCE, [lambda c: FakeProducer(c, fate=lambda t: timed_out)],
+                      delivery_retry_timeout_s=0.3)
+    harness.publisher.submit([harness.request(0)])
+    assert wait_for(lambda: harness.publisher.failure is not None, timeout_s=10)
+    assert "still failed after 0.3 s" in harness.publisher.failure and harness.durable == 0
+    harness.stop()
+
+
+def test_a_fatal_producer_is_replaced_and_undelivered_records_are_produced_again():
+    fenced = KafkaError(KafkaError.UNKNOWN_PRODUCER_ID, fatal=True)
+    harness = Harness(AT_LEAST_ONCE, [lambda c: FakeProducer(c, fatal=fenced), FakeProducer])
+    harness.publisher.submit([harness.request(i) for i in range(5)])
+    assert wait_for(lambda: harness.durable == 5)
+    harness.publisher.submit([harness.request(5)])
+    assert wait_for(lambda: harness.durable == 6)
+    assert harness.publisher.alive
+    harness.stop()
+    first, second = FakeProducer.instances
+    assert first.delivered == [] and len(second.delivered) == 6
+    registry = harness.metrics.registry
+    assert registry.get_sample_value("kinference_fatal_errors_total", {"client": "producer"}) >= 1
+    assert registry.get_sample_value("kinference_producer_replacements_total") == 1
+
+
+class SilentProducer(FakeProducer):
+    """Accepts records and never reports on them (librdkafka retrying UNKNOWN_PRODUCER_ID forever); a flush
+    reports ``on_flush`` of them as purged, and the others never."""
+
+    def __init__(self, config, on_flush: int | None = None, **kwargs):
+        super().__init__(config, **kwargs)
+        self.on_flush = on_flush
 
     def poll(self, timeout=0):
         if self.fatal is not None:
             self.error_cb(self.fatal)
-        queued, self.queued = self.queued, []
-        for message, on_delivery in queued:
-            err = self.fatal or self.fate(message.topic())
-            if err is None:
-                self.delivered.append(message)
-            on_delivery(err, message)
         return 0
 
     def flush(self, timeout=0):
-        self.poll()
-        return 0
-
-    def purge(self, **_):
-        pass
-
-    def __len__(self):
-        return len(self.queued)
-
-
-def start_publisher(factories):
-    answered = []
-    factories = iter(factories)
-    publisher = Publisher({}, "dead", answered.extend, queue_size=100, metrics=Metrics(),
-                          producer_factory=lambda config: next(factories)(config))
-    publisher.start()
-    return publisher, answered
-
-
-def ok_request(**kwargs):
-    request = make_request({"x": 1}, **kwargs)
-    request.reply_value = encode_result({"x": 1})
-    return request
-
-
-
-def test_request_is_answered_only_after_reply_and_dead_letter_are_delivered():
-    FakeProducer.instances.clear()
-    publisher, answered = start_publisher([FakeProducer])
-    bad = make_request()
-    bad.error, bad.dead_letter = RequestError("not json", ErrorCode.BAD_REQUEST), True
-    good = ok_request()
-    publisher.submit([bad, good])
-    assert wait_for(lambda: len(answered) == 2)
-    publisher.stop(5)
-    topics = sorted(m.topic() for m in FakeProducer.instances[0].delivered)
-    assert topics == ["dead", "replies", "replies"]
-
-
-def test_undeliverable_reply_goes_to_the_dead_letter_topic_then_counts_as_answered():
-    FakeProducer.instances.clear()
-    refused = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
-    fate = {"nowhere": refused}.get
-    publisher, answered = start_publisher([lambda c: FakeProducer(c, fate=fate)])
-    request = ok_request()
-    request.reply_topic = "nowhere"
-    publisher.submit([request])
-    assert wait_for(lambda: answered == [request])
-    publisher.stop(5)
-    (dead,) = FakeProducer.instances[0].delivered
-    assert dead.topic() == "dead" and dict(dead.headers())["kinference-error-code"] == b"internal_error"
-
-
-def test_a_request_nothing_can_answer_stays_unanswered_and_stops_the_service():
-    FakeProducer.instances.clear()
-    refused = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)
-    publisher, answered = start_publisher([lambda c: FakeProducer(c, fate=lambda t: refused)])
-    publisher.submit([ok_request()])
-    assert wait_for(lambda: publisher.failure is not None)
-    assert "cannot be answered" in publisher.failure and "dead" in publisher.failure
-    assert wait_for(lambda: not publisher.alive)  # /healthz fails; the service exits non-zero
-    publisher.stop(5)
-    assert answered == []  # so its offset is never committed
-
-
-def test_a_record_that_timed_out_is_produced_again_not_dead_lettered():
-    """_MSG_TIMED_OUT after a long broker outage is not the record's fault: the same reply goes out again."""
-    FakeProducer.instances.clear()
-    failures = iter([KafkaError(KafkaError._MSG_TIMED_OUT), KafkaError(KafkaError._PURGE_QUEUE)])
-    publisher, answered = start_publisher([lambda c: FakeProducer(c, fate=lambda t: next(failures, None))])
-    request = ok_request()
-    publisher.submit([request])
-    assert wait_for(lambda: answered == [request], timeout_s=10)  # backoff 0.5 s, then 1 s
-    publisher.stop(5)
-    (reply,) = FakeProducer.instances[0].delivered
-    assert reply.topic() == "replies" and publisher.failure is None
-
-
-def test_transient_failures_past_the_retry_timeout_stop_the_service():
-    FakeProducer.instances.clear()
-    answered = []
-    timed_out = KafkaError(KafkaError._MSG_TIMED_OUT)
-    publisher = Publisher({}, "dead", answered.extend, queue_size=10, metrics=Metrics(), delivery_retry_timeout_s=0.3,
-                          producer_factory=lambda c: FakeProducer(c, fate=lambda t: timed_out))
-    publisher.start()
-    publisher.submit([ok_request()])
-    assert wait_for(lambda: publisher.failure is not None, timeout_s=10)
-    assert "still failed after 0.3 s" in publisher.failure and answered == []
-    publisher.stop(5)
-
-
-def test_a_result_too_large_for_the_broker_becomes_a_small_error_reply():
-    FakeProducer.instances.clear()
-    too_large = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
-    publisher, answered = start_publisher(
-        [lambda c: FakeProducer(c, refuse=lambda value: too_large if len(value) > 500 else None)])
-    request = make_request()
-    request.reply_value = encode_result({"x": "y" * 1000})
-    publisher.submit([request])
-    assert wait_for(lambda: answered == [request])
-    publisher.stop(5)
-    (reply,) = FakeProducer.instances[0].delivered
-    assert dict(reply.headers())["kinference-error-code"] == b"handler_error" and b"too large" in reply.value()
-
-
-def test_a_record_whose_headers_cannot_be_read_is_answered_by_its_dead_letter_only():
-    FakeProducer.instances.clear()
-    publisher, answered = start_publisher([FakeProducer])
-    request = make_request()
-    request.error, request.dead_letter, request.unroutable = RequestError("headers", ErrorCode.BAD_REQUEST), True, True
-    publisher.submit([request])
-    assert wait_for(lambda: answered == [request])
-    publisher.stop(5)
-    assert [m.topic() for m in FakeProducer.instances[0].delivered] == ["dead"]
-
-
-def test_fatal_producer_is_replaced_and_undelivered_records_are_produced_again():
-    FakeProducer.instances.clear()
-    fenced = KafkaError(KafkaError.UNKNOWN_PRODUCER_ID, fatal=True)
-    publisher, answered = start_publisher([lambda c: FakeProducer(c, fatal=fenced), FakeProducer])
-    requests = [ok_request(offset=i) for i in range(5)]
-    publisher.submit(requests)
-    assert wait_for(lambda: len(answered) == 5)
-    later = ok_request(offset=99)
-    publisher.submit([later])
-    assert wait_for(lambda: len(answered) == 6)
-    assert publisher.alive
-    publisher.stop(5)
-    first, second = FakeProducer.instances
-    assert first.delivered == [] and len(second.delivered) == 6
-    registry = publisher._metrics.registry
-    assert registry.get_sample_value("kinference_fatal_errors_total", {"client": "producer"}) >= 1
-    assert registry.get_sample_value("kinference_producer_replacements_total") == 1
-    assert sorted(r.offset for r in answered) == [0, 1, 2, 3, 4, 99]
-
-
-class SilentProducer(FakeProducer):
-    """Accepts records and never reports on them (librdkafka retrying UNKNOWN_PRODUCER_ID forever)."""
-
-    def poll(self, timeout=0):
-        return 0
-
-    def flush(self, timeout=0):
-        queued, self.queued = self.queued, []
-        for message, on_delivery in queued:
+        reported = self.queued[:self.on_flush]
+        self.queued = self.queued[len(reported):]
+        for message, on_delivery in reported:
             on_delivery(KafkaError(KafkaError._PURGE_QUEUE), message)
-        return 0
-
-    def __len__(self):
         return len(self.queued)
 
 
-def test_stalled_producer_is_replaced_and_its_records_produced_again():
-    FakeProducer.instances.clear()
-    answered = []
-    factories = iter([SilentProducer, FakeProducer])
-    publisher = Publisher({}, "dead", answered.extend, queue_size=100, metrics=Metrics(), stall_timeout_s=0.3,
-                          producer_factory=lambda config: next(factories)(config))
-    publisher.start()
-    publisher.submit([ok_request(offset=i) for i in range(3)])
-    assert wait_for(lambda: len(answered) == 3)
-    publisher.stop(5)
+def test_a_stalled_producer_is_replaced_and_its_records_produced_again():
+    harness = Harness(AT_LEAST_ONCE, [SilentProducer, FakeProducer], stall_timeout_s=0.3)
+    harness.publisher.submit([harness.request(i) for i in range(3)])
+    assert wait_for(lambda: harness.durable == 3)
+    harness.stop()
     _stalled, replacement = FakeProducer.instances
     assert len(replacement.delivered) == 3
+
+
+def test_records_a_replaced_producer_never_reported_are_produced_again():
+    """Issue 20: the replaced producer is flushed for 1 s; what it has not reported by then (a report it would give
+    later, or never) must not leave its request unanswered while /healthz stays 200."""
+    fenced = KafkaError(KafkaError.UNKNOWN_PRODUCER_ID, fatal=True)
+    harness = Harness(AT_LEAST_ONCE, [lambda c: SilentProducer(c, on_flush=2, fatal=fenced), FakeProducer])
+    harness.publisher.submit([harness.request(i) for i in range(5)])
+    assert wait_for(lambda: harness.durable == 5)
+    harness.stop()
+    silent, replacement = FakeProducer.instances
+    assert len(silent.queued) == 3  # never reported
+    assert sorted(m.value() for m in replacement.delivered) == sorted(encode_result({"x": i}) for i in range(5))

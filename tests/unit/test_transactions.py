@@ -1,4 +1,5 @@
-"""The exactly-once publisher's transactional contract, with a fake transactional producer (pure logic)."""
+"""The exactly-once checkpoint's transactional contract, through the publisher, with a fake transactional producer
+(pure logic). What both checkpoints share is tested in ``test_publisher``."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from confluent_kafka import KafkaError, KafkaException
 
 from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.metrics import Metrics
-from kinference.consumer.transactions import ABORTS_BEFORE_UNHEALTHY, MemberSlot, TransactionalPublisher
+from kinference.consumer.publisher import Publisher
+from kinference.consumer.transactions import ABORTS_BEFORE_UNHEALTHY, MemberSlot, TransactionCheckpoint
 from kinference.protocol import encode_result
-from tests.fakes import make_request, wait_for
+from tests.fakes import FakeProducer, make_request, wait_for
 
 P0 = ("requests", 0)
 
@@ -25,76 +27,16 @@ def fatal(code=KafkaError._FENCED):
     return KafkaException(KafkaError(code, "fenced", fatal=True))
 
 
-class FakeTxnProducer:
-    """Holds records in the open transaction; ``failures[name]`` lists what each call of that method raises
-    (None: succeed). ``fate(topic)`` is a record's delivery error, reported when the transaction commits."""
-
-    def __init__(self, failures=None, fate=lambda topic: None):
-        self.failures = {name: list(errors) for name, errors in (failures or {}).items()}
-        self.fate = fate
-        self.calls: list[str] = []
-        self.open: list = []
-        self.committed: list[tuple[list[tuple[str, bytes]], list[tuple[str, int, int]]]] = []
-        self.offsets: list = []
-        self.pending_reports: list = []
-
-    def _call(self, name):
-        self.calls.append(name)
-        errors = self.failures.get(name)
-        if errors:
-            error = errors.pop(0)
-            if error is not None:
-                raise error
-
-    def init_transactions(self, timeout):
-        self._call("init")
-
-    def begin_transaction(self):
-        self._call("begin")
-        self.open, self.offsets = [], []
-
-    def produce(self, topic, value, key, headers=None, on_delivery=None, partition=-1):
-        self.open.append((topic, value, on_delivery))
-
-    def send_offsets_to_transaction(self, positions, metadata, timeout):
-        self._call("send_offsets")
-        self.offsets = [(tp.topic, tp.partition, tp.offset) for tp in positions]
-
-    def commit_transaction(self, timeout):
-        refused = False
-        for topic, _value, on_delivery in self.open:  # commit flushes: every record gets its report
-            error = self.fate(topic)
-            refused |= error is not None
-            on_delivery(error, None)
-        if refused:
-            raise abortable(KafkaError._INCONSISTENT)
-        self._call("commit")
-        self.committed.append(([(topic, value) for topic, value, _ in self.open], self.offsets))
-        self.open = []
-
-    def abort_transaction(self, timeout):
-        self._call("abort")
-        self.open = []
-
-    def poll(self, timeout=0):
-        return 0
-
-    def flush(self, timeout=0):
-        return 0
-
-    def purge(self, **_):
-        pass
-
-    def __len__(self):
-        return len(self.open)
-
-
-def publisher_with(producer: FakeTxnProducer, tracker: OffsetTracker) -> TransactionalPublisher:
-    publisher = TransactionalPublisher({}, "tid", "dead", tracker, group_metadata=lambda: "generation-1",
-                                       queue_size=100, metrics=Metrics(), commit_interval_s=0.05,
-                                       producer_factory=lambda config: producer)
+def publisher_with(tracker: OffsetTracker, failures=None, **options) -> tuple[Publisher, FakeProducer]:
+    """A started publisher with the exactly-once checkpoint, and its fake producer (``FakeProducer``'s options)."""
+    checkpoint = TransactionCheckpoint(tracker, group_metadata=lambda: "generation-1", metrics=Metrics(),
+                                       commit_interval_s=0.05)
+    FakeProducer.instances.clear()
+    publisher = Publisher({"transactional.id": "tid"}, "dead", checkpoint, queue_size=100, metrics=Metrics(),
+                          producer_factory=lambda config: FakeProducer(config, failures=failures, **options))
     publisher.start()
-    return publisher
+    assert wait_for(lambda: FakeProducer.instances)
+    return publisher, FakeProducer.instances[0]
 
 
 def tracked(tracker, offset, value=None, topic="requests"):
@@ -112,8 +54,8 @@ def new_tracker():
 
 
 def test_replies_and_their_offsets_commit_together_in_offset_runs():
-    tracker, producer = new_tracker(), FakeTxnProducer()
-    publisher = publisher_with(producer, tracker)
+    tracker = new_tracker()
+    publisher, producer = publisher_with(tracker)
     first, second, third = (tracked(tracker, offset) for offset in (0, 1, 2))
     publisher.submit([third, first])  # 1 missing: only offset 0 can commit
     assert wait_for(lambda: producer.committed)
@@ -128,8 +70,7 @@ def test_replies_and_their_offsets_commit_together_in_offset_runs():
 
 def test_a_retriable_commit_error_repeats_the_same_call_and_never_aborts():
     tracker = new_tracker()
-    producer = FakeTxnProducer({"commit": [retriable(), retriable(), None]})
-    publisher = publisher_with(producer, tracker)
+    publisher, producer = publisher_with(tracker, {"commit": [retriable(), retriable(), None]})
     publisher.submit([tracked(tracker, 0)])
     assert wait_for(lambda: producer.committed)
     publisher.stop(5)
@@ -139,8 +80,7 @@ def test_a_retriable_commit_error_repeats_the_same_call_and_never_aborts():
 
 def test_an_abortable_error_aborts_and_the_next_transaction_answers_the_same_requests():
     tracker = new_tracker()
-    producer = FakeTxnProducer({"send_offsets": [abortable(), None]})
-    publisher = publisher_with(producer, tracker)
+    publisher, producer = publisher_with(tracker, {"send_offsets": [abortable(), None]})
     request = tracked(tracker, 0)
     publisher.submit([request])
     assert wait_for(lambda: producer.committed)
@@ -153,8 +93,7 @@ def test_an_abortable_error_aborts_and_the_next_transaction_answers_the_same_req
 def test_a_reply_refused_for_good_is_replaced_by_a_dead_letter_in_the_next_transaction():
     tracker = new_tracker()
     unknown = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
-    producer = FakeTxnProducer(fate=lambda topic: unknown if topic == "nowhere" else None)
-    publisher = publisher_with(producer, tracker)
+    publisher, producer = publisher_with(tracker, fate=lambda topic: unknown if topic == "nowhere" else None)
     lost, fine = tracked(tracker, 0), tracked(tracker, 1)
     lost.reply_topic = "nowhere"
     publisher.submit([lost, fine])
@@ -168,8 +107,7 @@ def test_a_reply_refused_for_good_is_replaced_by_a_dead_letter_in_the_next_trans
 def test_a_record_that_only_timed_out_goes_into_the_next_transaction_unchanged():
     tracker = new_tracker()
     outcomes = iter([KafkaError(KafkaError._MSG_TIMED_OUT)])
-    producer = FakeTxnProducer(fate=lambda topic: next(outcomes, None))
-    publisher = publisher_with(producer, tracker)
+    publisher, producer = publisher_with(tracker, fate=lambda topic: next(outcomes, None))
     publisher.submit([tracked(tracker, 0)])
     assert wait_for(lambda: producer.committed)
     publisher.stop(5)
@@ -179,8 +117,7 @@ def test_a_record_that_only_timed_out_goes_into_the_next_transaction_unchanged()
 
 def test_a_fatal_error_stops_the_publisher_without_reinitialising():
     tracker = new_tracker()
-    producer = FakeTxnProducer({"commit": [fatal()]})
-    publisher = publisher_with(producer, tracker)
+    publisher, producer = publisher_with(tracker, {"commit": [fatal()]})
     publisher.submit([tracked(tracker, 0)])
     assert wait_for(lambda: not publisher.alive)
     assert publisher.failure is not None and "fenced" in publisher.failure
@@ -189,8 +126,7 @@ def test_a_fatal_error_stops_the_publisher_without_reinitialising():
 
 def test_aborts_in_a_row_make_the_service_unhealthy():
     tracker = new_tracker()
-    producer = FakeTxnProducer({"send_offsets": [abortable()] * (ABORTS_BEFORE_UNHEALTHY + 5)})
-    publisher = publisher_with(producer, tracker)
+    publisher, producer = publisher_with(tracker, {"send_offsets": [abortable()] * (ABORTS_BEFORE_UNHEALTHY + 5)})
     publisher.submit([tracked(tracker, 0)])
     assert wait_for(lambda: publisher.failure is not None)
     assert f"{ABORTS_BEFORE_UNHEALTHY} transactions in a row" in publisher.failure
@@ -202,8 +138,7 @@ def test_a_stale_request_of_a_revoked_assignment_never_replaces_the_new_one():
     """Revoked and handed back: a late copy from the old assignment arrives after the new one. Held replies are
     keyed by assignment, so the new request's reply is the one committed, and the stale one is dropped."""
     tracker = new_tracker()
-    producer = FakeTxnProducer()
-    publisher = publisher_with(producer, tracker)
+    publisher, producer = publisher_with(tracker)
     stale = tracked(tracker, 0, value={"assignment": "old"})
     tracker.revoke([P0])
     tracker.assign([P0])

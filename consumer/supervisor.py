@@ -1,0 +1,295 @@
+"""``kinference serve --workers N``: N member processes of the consumer group on one host, under a small
+supervisor (gunicorn's arbiter, cut down to what a Kafka consumer needs).
+
+- Each worker is a plain ``kinference serve`` of one process (the same flags, with ``--workers 1``): it loads its
+  own copy of the model and joins the group; Kafka's assignment spreads the partitions among the workers.
+- SIGTERM and SIGINT are forwarded to every worker, which shuts down as a single process does (within
+  ``shutdown_grace_s``); a worker still running ``_KILL_MARGIN_S`` after that is killed.
+- A worker that exits on its own is restarted, after a backoff that doubles with each quick death (from
+  ``_BACKOFF_S[0]`` to ``_BACKOFF_S[1]``). A worker that died ``_QUICK_DEATHS`` times in a row, each within
+  ``_STABLE_S`` of its start, will not get better by itself: the supervisor stops the others and exits 1, so
+  that the orchestrator sees it.
+- One ``/metrics`` for the host: the workers' prometheus_client runs in multiprocess mode (each writes its
+  metrics under ``PROMETHEUS_MULTIPROC_DIR``) and the supervisor's registry reads them with
+  ``prometheus_client.multiprocess.MultiProcessCollector``. ``/healthz`` and ``/readyz`` are the supervisor's,
+  from what each worker reports (``WorkerReport``: a small JSON file written every second); their answers name
+  the worker that is unhealthy or not ready, and why.
+
+The supervisor keeps no request state: a worker's requests are its own, and those a dead worker left uncommitted
+are served again by the member that gets its partitions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+log = logging.getLogger(__name__)
+
+_TICK_S = 0.2
+_BACKOFF_S = (1.0, 30.0)
+"""First and longest wait before a dead worker is started again."""
+_STABLE_S = 60.0
+"""A worker that ran this long before dying died of something passing: its backoff starts over."""
+_QUICK_DEATHS = 5
+"""Quick deaths in a row of one worker after which the supervisor gives up (exit 1)."""
+_KILL_MARGIN_S = 5.0
+"""After a forwarded signal, how long past ``shutdown_grace_s`` a worker may take before it is killed."""
+_REPORT_S = 1.0
+_JOINING_S = 0.05
+_STALE_S = 10.0
+"""A worker that has not reported for this long is hung (a stuck poll loop, a process stopped): unhealthy."""
+WORKER_LOCAL_METRICS = frozenset({"kinference_ready", "kinference_healthy", "kinference_batch_cost_fixed_seconds",
+                                  "kinference_batch_cost_per_unit_seconds"})
+"""Gauges a worker computes when scraped, which multiprocess mode cannot share: the supervisor leaves them out of
+the host's /metrics (and serves ready and healthy from its own view of the workers)."""
+
+
+class WorkerReport:
+    """A worker's side: writes what its ``/healthz`` and ``/readyz`` would answer to ``path`` for the supervisor, every
+    second and at once when the worker joins the group (a drain times workers from then). ``with WorkerReport(path,
+    service):`` around the service's whole life, its start included (a slow model load is "alive, not ready")."""
+
+    def __init__(self, path: Path, service: Any) -> None:
+        self._path = Path(path)
+        self._service = service
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kinference-worker-report", daemon=True)
+
+    def __enter__(self) -> WorkerReport:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(_REPORT_S * 2)
+
+    def _run(self) -> None:
+        joined = False
+        while True:
+            self.write()
+            # Often until the worker is in the group, so that its join is reported at once.
+            if self._stop.wait(_REPORT_S if joined else _JOINING_S):
+                return
+            joined = joined or self._service.wait_ready(0)
+
+    def write(self) -> None:
+        service = self._service
+        report = {"pid": os.getpid(), "health": service.health_checks(), "ready": service.readiness_checks(),
+                  "problems": service.problems()}
+        temporary = self._path.with_suffix(".tmp")
+        temporary.write_bytes(orjson.dumps(report))
+        os.replace(temporary, self._path)  # the supervisor never reads half a report
+
+
+@dataclass(eq=False)
+class _Worker:
+    index: int
+    report: Path
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    quick_deaths: int = 0
+    restart_at: float | None = None
+    last_exit: int | None = None
+    restarts: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"worker {self.index}"
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What the supervisor knows of one worker now."""
+
+    healthy: bool
+    ready: bool
+    why: str
+    """Empty when healthy and ready."""
+
+
+class Supervisor:
+    """``Supervisor(n, command, ...).run()`` starts the workers and returns the exit code once they are stopped
+    (``stop``, from a signal handler) or gave up."""
+
+    def __init__(self, workers: int, command: Callable[[Path], list[str]], *, grace_s: float,
+                 metrics_dir: Path | None = None, env: dict[str, str] | None = None,
+                 backoff_s: tuple[float, float] = _BACKOFF_S, stable_s: float = _STABLE_S,
+                 quick_deaths: int = _QUICK_DEATHS) -> None:
+        """``command(report_path)`` is a worker's argv. ``metrics_dir``: ``PROMETHEUS_MULTIPROC_DIR`` for the workers
+        (emptied first; default: a temporary directory, removed at the end)."""
+        self._command = command
+        self._grace_s = grace_s
+        self._backoff_s = backoff_s
+        self._stable_s = stable_s
+        self._quick_deaths = quick_deaths
+        self._own_dir = metrics_dir is None
+        self.metrics_dir = Path(metrics_dir or tempfile.mkdtemp(prefix="kinference-metrics-"))
+        self._reports = Path(tempfile.mkdtemp(prefix="kinference-workers-"))
+        self._env = {**(os.environ if env is None else env), "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+        self.workers = [_Worker(index, self._reports / f"worker-{index}.json") for index in range(workers)]
+        self._signal: int | None = None
+        self._lock = threading.Lock()
+        """Held while workers are started or reaped: the HTTP threads read their state."""
+
+    @property
+    def host_dir(self) -> Path:
+        """The directory the workers share (their reports, and the ``sim`` handler's device)."""
+        return self._reports
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Forward ``signum`` to the workers and stop (safe from a signal handler: it only records it)."""
+        self._signal = signum
+
+    def run(self) -> int:
+        self._clean_metrics_dir()
+        try:
+            for worker in self.workers:
+                self._spawn(worker)
+            while self._signal is None:
+                time.sleep(_TICK_S)
+                if not self._tick(time.monotonic()):
+                    self.stop()
+                    self._shut_down()
+                    return 1
+            self._shut_down()
+            return 0
+        finally:
+            shutil.rmtree(self._reports, ignore_errors=True)
+            if self._own_dir:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    # --- the host's /healthz, /readyz and /metrics (HTTP threads)
+
+    def states(self) -> dict[str, WorkerState]:
+        with self._lock:
+            return {worker.name: self._state(worker, time.monotonic()) for worker in self.workers}
+
+    def health_checks(self) -> dict[str, bool]:
+        return {name: state.healthy for name, state in self.states().items()}
+
+    def readiness_checks(self) -> dict[str, bool]:
+        return {name: state.ready for name, state in self.states().items()}
+
+    def problems(self) -> dict[str, str]:
+        return {name: state.why for name, state in self.states().items() if state.why}
+
+    def _state(self, worker: _Worker, now: float) -> WorkerState:
+        process = worker.process
+        if process is None or process.poll() is not None:
+            # The supervisor restarts it (or gives up and exits): not a reason to restart the whole host.
+            return WorkerState(True, False, f"exited with code {worker.last_exit}; restarting")
+        try:
+            age = time.time() - worker.report.stat().st_mtime
+            report = orjson.loads(worker.report.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            starting = now - worker.started < _STALE_S
+            return WorkerState(starting, False, f"pid {process.pid}: " + ("starting" if starting else
+                               f"no report for {now - worker.started:.0f} s"))
+        if age > _STALE_S or report.get("pid") != process.pid:
+            return WorkerState(False, False, f"pid {process.pid}: no report for {age:.0f} s (hung?)")
+        healthy, ready = all(report["health"].values()), all(report["ready"].values())
+        failing = [name for name, ok in {**report["health"], **report["ready"]}.items() if not ok]
+        why = "" if healthy and ready else f"pid {process.pid}: " + "; ".join(failing + report["problems"])
+        return WorkerState(healthy, ready, why)
+
+    def collect(self) -> Iterable[Any]:
+        """The host's metrics: the workers' (multiprocess mode) and the supervisor's own."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        from kinference.consumer.metrics import build_info
+
+        shared = MultiProcessCollector(None, path=str(self.metrics_dir))  # type: ignore[arg-type]
+        yield from (family for family in shared.collect() if family.name not in WORKER_LOCAL_METRICS)
+        states = self.states()
+        yield GaugeMetricFamily("kinference_ready", "1 while /readyz would answer 200 (every worker ready), else 0.",
+                                value=float(all(state.ready for state in states.values())))
+        yield GaugeMetricFamily("kinference_healthy", "1 while /healthz would answer 200 (no worker unhealthy), "
+                                "else 0.", value=float(all(state.healthy for state in states.values())))
+        up = GaugeMetricFamily("kinference_worker_up", "1 while the worker is healthy and ready.", labels=["worker"])
+        restarts = CounterMetricFamily("kinference_worker_restarts", "Worker processes started again after they "
+                                       "died.", labels=["worker"])
+        with self._lock:
+            for worker in self.workers:
+                state = states[worker.name]
+                up.add_metric([str(worker.index)], float(state.healthy and state.ready))
+                restarts.add_metric([str(worker.index)], worker.restarts)
+        yield up
+        yield restarts
+        yield InfoMetricFamily("kinference_build", "Versions of kinference and of what it runs on.", value=build_info())
+
+    # --- the supervisor's loop
+
+    def _clean_metrics_dir(self) -> None:
+        """prometheus_client's rule: the directory is emptied before the processes that write to it start."""
+        self.metrics_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.metrics_dir.glob("*.db"):
+            stale.unlink()
+
+    def _spawn(self, worker: _Worker) -> None:
+        worker.report.unlink(missing_ok=True)
+        with self._lock:
+            worker.process = subprocess.Popen(self._command(worker.report), env=self._env)
+            worker.started, worker.restart_at = time.monotonic(), None
+        log.info("%s started (pid %d)", worker.name, worker.process.pid)
+
+    def _tick(self, now: float) -> bool:
+        """Reap dead workers and start due ones again; False once one died too often."""
+        for worker in self.workers:
+            process = worker.process
+            if worker.restart_at is not None:
+                if now >= worker.restart_at:
+                    worker.restarts += 1
+                    self._spawn(worker)
+                continue
+            code = process.poll() if process is not None else None
+            if process is None or code is None:
+                continue
+            self._reaped(worker, process)
+            worker.quick_deaths = worker.quick_deaths + 1 if now - worker.started < self._stable_s else 1
+            if worker.quick_deaths >= self._quick_deaths:
+                log.critical("%s died %d times in a row within %.0f s of its start (last exit code %d); stopping "
+                             "(exit code 1)", worker.name, worker.quick_deaths, self._stable_s, code)
+                return False
+            backoff = min(self._backoff_s[1], self._backoff_s[0] * 2 ** (worker.quick_deaths - 1))
+            worker.restart_at = now + backoff
+            log.error("%s (pid %d) exited with code %d; starting it again in %.1f s", worker.name, process.pid, code,
+                      backoff)
+        return True
+
+    def _reaped(self, worker: _Worker, process: subprocess.Popen[bytes]) -> None:
+        """A worker's process ended: its live gauges leave the host's sums."""
+        from prometheus_client import multiprocess
+
+        worker.last_exit = process.returncode
+        multiprocess.mark_process_dead(process.pid, str(self.metrics_dir))
+
+    def _shut_down(self) -> None:
+        signum = self._signal or signal.SIGTERM
+        running = [(worker, worker.process) for worker in self.workers
+                   if worker.process is not None and worker.process.poll() is None]
+        log.info("forwarding %s to %d workers", signal.Signals(signum).name, len(running))
+        for _, process in running:
+            process.send_signal(signum)
+        deadline = time.monotonic() + self._grace_s + _KILL_MARGIN_S
+        for worker, process in running:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("%s (pid %d) did not stop in time; killing it", worker.name, process.pid)
+                process.kill()
+                process.wait()
+            self._reaped(worker, process)
