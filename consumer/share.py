@@ -217,11 +217,12 @@ class ShareSource:
 
     def _poll_once(self) -> None:
         self._acknowledge(self._ledger.take())
+        if self._draining.is_set():
+            self._paused_for_good.set()  # no fetch after this one: what is in flight is answered and acknowledged
         if self._ledger.in_flight:
             self._ledger.wait_settled(_POLL_S)
             return
         if self._draining.is_set():
-            self._paused_for_good.set()
             self._closing.wait(_POLL_S)
             return
         records = list(self._consumer.poll(_POLL_S))  # also sends the acknowledgements made since the last one
@@ -231,7 +232,12 @@ class ShareSource:
 
     def _acknowledge(self, outcomes: list[Any]) -> None:
         for topic, partition, offset, kind in outcomes:
-            self._consumer.acknowledge_offset(topic, partition, offset, kind)
+            try:
+                self._consumer.acknowledge_offset(topic, partition, offset, kind)
+            except Exception as exc:  # its lock expired: the broker has given the record to another member already
+                log.warning("acknowledging %s[%d] offset %d as %s failed: %s", topic, partition, offset, kind.name,
+                            exc)
+                continue
             self._metrics.share_acknowledgements.labels(kind.name.lower()).inc()
 
     def _close_consumer(self) -> None:
