@@ -305,13 +305,12 @@ def test_a_reply_or_dead_letter_the_producer_refuses_does_not_kill_the_service(b
         poison = (b"poison", _json({"n": 1}), [(protocol.SPRING_REPLY_PARTITION, struct.pack(">i", 5))])
     else:  # a valid request just under the client's 1000000-byte limit: its echo reply is over it
         poison = (b"poison", _json({"n": 1, "pad": "a" * 999_900}), [])
-    answered = fault != "reply-partition-out-of-range"  # else no reply can reach the client
     with serving(broker, topics, Poison(), **limits) as service:
         ask_ok(service, broker.bootstrap_servers, topics, n=0)  # the reply topic's metadata is now cached
         produce(broker.bootstrap_servers, topics["requests"], [poison, (b"neighbour", _json({"n": 2}), [])])
-        replies = by_key(collect(service, broker.bootstrap_servers, topics["replies"], 2 + answered, timeout_s=20))
+        replies = by_key(collect(service, broker.bootstrap_servers, topics["replies"], 3, timeout_s=20))
         assert service.healthy, f"a service thread died: {service.health_checks()}"
-        wait_s = 3 if fault == "reply-too-large" else 10  # a dead letter is not promised for it
+        wait_s = 10 if fault == "dead-letter-too-large" else 3  # a dead letter is promised for it alone
         dead = by_key(read(broker.bootstrap_servers, topics["dead"], 1, timeout_s=wait_s))
         assert code_of(replies[b"neighbour"]) is None
         if fault == "reply-too-large":  # answered with an error the client can read
@@ -319,8 +318,9 @@ def test_a_reply_or_dead_letter_the_producer_refuses_does_not_kill_the_service(b
         elif fault == "dead-letter-too-large":
             assert code_of(replies[b"poison"]) == "payload_too_large"
             assert headers_of(dead[b"poison"])[protocol.ERROR_CODE] == b"payload_too_large"
-        else:  # no reply can be delivered: the request goes to the dead-letter topic
-            assert headers_of(dead[b"poison"])[protocol.ERROR_CODE] == b"internal_error"
+        else:  # checked against the reply topic's metadata first (issue 20, defect 3): answered on the default one
+            assert code_of(replies[b"poison"]) == "bad_request"
+            assert replies[b"poison"].partition() == 0
         ask_ok(service, broker.bootstrap_servers, topics)
 
 
