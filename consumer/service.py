@@ -104,7 +104,7 @@ def settle_heap() -> None:
     """Keep the cyclic garbage collector off the per-message path; for a process that serves, once its service has
     started (not in a test process: it is process-wide). Each request allocates a few dozen objects (its record,
     headers, reply, delivery report), none in a reference cycle, so refcounting frees them all and a collection
-    finds nothing to free; at CPython's default threshold one ran every ~20 requests, and the older generations
+    finds nothing to free; at CPython's default threshold one ran every few dozen requests, and the older generations
     walked every request in flight and the heap the model's libraries had loaded. So what the start built is frozen
     out of every collection (``gc.freeze``), and collections run every 50,000 allocations: cyclic garbage (an
     exception and its traceback) is still found, a little later."""
