@@ -146,7 +146,7 @@ def _stop_on_signals() -> threading.Event:
 def run_serve(args: argparse.Namespace) -> int:
     """Exit 0 after a clean stop (SIGTERM, SIGINT); 1 when the service cannot go on (a thread died, a fatal
     consumer or producer error, a request that cannot be answered), so that the orchestrator restarts it."""
-    from kinference.consumer.service import Service
+    from kinference.consumer.service import Service, settle_heap
     from kinference.consumer.supervisor import WorkerReport
 
     config = _config_from_args(args)
@@ -162,6 +162,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.worker_report is not None:
             stack.enter_context(WorkerReport(args.worker_report, service))
         service.start()
+        settle_heap()
         try:
             while not stop.wait(_HEALTH_CHECK_S):
                 if not service.healthy:

@@ -44,6 +44,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter as Tally
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -53,7 +54,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from kinference.consumer.answers import Delivery, Refusal, ReplyPartitions, answer, classify, replacement
 from kinference.consumer.checkpoint import Abort, Checkpoint, Transaction
 from kinference.consumer.logs import about
-from kinference.consumer.metrics import Metrics
+from kinference.consumer.metrics import Metrics, observe_many
 from kinference.consumer.request import Request
 from kinference.consumer.router import NO_MODEL
 
@@ -76,14 +77,26 @@ class PublisherDown(RuntimeError):
     """The publisher thread is not running: finished requests have nowhere to go."""
 
 
-def observe(metrics: Metrics, request: Request, now: float) -> None:
-    """Per-request metrics, taken when the request reaches the publisher."""
-    outcome = "ok" if request.error is None else str(request.error.code)
-    model = request.model.name if request.model is not None else NO_MODEL
-    metrics.labelled(metrics.requests, model, request.topic, outcome).inc()
-    metrics.labelled(metrics.service_seconds, model, request.topic).observe(now - request.received)
-    if request.dispatched is not None:
-        metrics.labelled(metrics.queue_wait, model, request.topic).observe(request.dispatched - request.received)
+def observe(metrics: Metrics, requests: list[Request], now: float) -> None:
+    """Per-request metrics, taken when the requests reach the publisher: one update per metric and label set for
+    all of them (a micro-batch's requests mostly share their model, topic and outcome)."""
+    outcomes: Tally[tuple[str, str, str]] = Tally()
+    waits: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    for request in requests:
+        model = request.model.name if request.model is not None else NO_MODEL
+        outcomes[model, request.topic, "ok" if request.error is None else str(request.error.code)] += 1
+        lists = waits.get((model, request.topic))
+        if lists is None:
+            lists = waits[model, request.topic] = ([], [])
+        service, queued = lists
+        service.append(now - request.received)
+        if request.dispatched is not None:
+            queued.append(request.dispatched - request.received)
+    for labels, count in outcomes.items():
+        metrics.labelled(metrics.requests, *labels).inc(count)
+    for labels, (service, queued) in waits.items():
+        observe_many(metrics.labelled(metrics.service_seconds, *labels), service)
+        observe_many(metrics.labelled(metrics.queue_wait, *labels), queued)
 
 
 class Publisher:
@@ -121,6 +134,8 @@ class Publisher:
         """Records not yet acknowledged of each request answered outside a transaction."""
         self._answered: list[Request] = []
         """Answered since the last hand-over to the checkpoint."""
+        self._counted: Tally[str] = Tally()
+        """Records acknowledged this turn, by kind: ``reply`` (ok), ``error`` (a reply), ``dead_letter``."""
         self._retries: list[tuple[float, int, Delivery]] = []
         """Refused records waiting to be produced again: a heap by due time."""
         self._order = itertools.count()
@@ -196,6 +211,7 @@ class Publisher:
                 self._producer.poll(0)  # 3
                 self._hand_over()
                 self._make_durable(time.monotonic())  # 4
+                self._add_counted()
         except Exception as exc:
             self._fail(f"the publisher failed: {exc!r}")
             log.critical("publisher thread failed", exc_info=True)
@@ -218,8 +234,7 @@ class Publisher:
             return
         self._reply_partitions.check(requests)
         now = time.monotonic()
-        for request in requests:
-            observe(self._metrics, request, now)
+        observe(self._metrics, requests, now)
         for request in self._checkpoint.take(requests):
             self._answer(request, answer(request, self._dead_letter_topic, now))
 
@@ -386,10 +401,18 @@ class Publisher:
         self._answered.append(request)
 
     def _count(self, delivery: Delivery) -> None:
-        if delivery.kind == "reply":
-            self._metrics.labelled(self._metrics.replies, "ok" if delivery.request.ok else "error").inc()
-        else:
-            self._metrics.dead_letters.inc()
+        """Counted here, added to the metrics once per turn (``_add_counted``)."""
+        self._counted[delivery.kind if delivery.kind == "dead_letter" or delivery.request.ok else "error"] += 1
+
+    def _add_counted(self) -> None:
+        if not self._counted:
+            return
+        counted, self._counted = self._counted, Tally()
+        for kind, count in counted.items():
+            if kind == "dead_letter":
+                self._metrics.dead_letters.inc(count)
+            else:
+                self._metrics.labelled(self._metrics.replies, "ok" if kind == "reply" else "error").inc(count)
 
     def _trace_answered(self, requests: list[Request]) -> None:
         """The end of each request's span: when it counts as answered."""

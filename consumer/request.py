@@ -392,7 +392,7 @@ def reply_headers(request: Request, now: float) -> Headers:
             (INFERENCE_MS, f"{request.inference_ms:.3f}".encode()),
         ]
     if request.model is not None:
-        headers += request.model.reply_headers()
+        headers += request.model.reply_headers
     if request.reply_format is not None:
         headers += request.reply_format.value_headers
     if request.trace is not None:

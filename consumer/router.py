@@ -16,7 +16,7 @@ One model (the default configuration) routes every record to itself; its name st
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kinference.consumer import oip
 from kinference.errors import RequestError
@@ -36,11 +36,14 @@ class ModelRoute:
     served: oip.ServedModel | None = None
     """What Open Inference Protocol requests to this model may name; None: it takes kinference's JSON only."""
 
-    def reply_headers(self) -> list[tuple[str, bytes]]:
-        headers = [(MODEL, self.name.encode())]
+    reply_headers: tuple[tuple[str, bytes], ...] = field(init=False, repr=False, compare=False)
+    """The headers naming this model on each of its replies: built once, here, not per reply."""
+
+    def __post_init__(self) -> None:
+        headers = ((MODEL, self.name.encode()),)
         if self.version is not None:
-            headers.append((MODEL_VERSION, self.version.encode()))
-        return headers
+            headers += ((MODEL_VERSION, self.version.encode()),)
+        object.__setattr__(self, "reply_headers", headers)  # a frozen dataclass sets its derived fields so
 
 
 class Router:

@@ -48,7 +48,7 @@ from rich.table import Table
 
 from kinference.consumer.broker import BROKER_KINDS, LOW_LATENCY_CONSUMER, local_broker
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.service import Service, resolve_device
+from kinference.consumer.service import Service, resolve_device, settle_heap
 from kinference.consumer.topics import create_topics
 from kinference.errors import KinferenceError
 from kinference.handlers import Handler, HandlerContext, load_handler
@@ -157,6 +157,7 @@ def serve_kinference(overrides: dict[str, Any], handler: str, bootstrap_servers:
         group_id=f"bench-{topics['requests']}", handler=handler, kafka_consumer=SERVE_KAFKA,
         metrics=False, shutdown_grace_s=5.0, **overrides)
     with Service(config, tracer_provider=tracer_provider) as service:
+        settle_heap()  # as ``kinference serve`` does
         ready_or_fail(service.wait_ready(READY_TIMEOUT_S), config.group_id)
         yield service
 
