@@ -361,7 +361,7 @@ class Service:
         return {
             "model_loaded": self._model_ready,
             "group_joined": source is not None and source.joined.is_set(),
-            "broker_reachable": source is not None and source.broker_up,
+            "broker_reachable": source is not None and source.errors.broker_up,
             "healthy": self.healthy,
         }
 
@@ -372,8 +372,8 @@ class Service:
     def problems(self) -> list[str]:
         """Why the service is not healthy, in words."""
         reasons = [name for name, ok in self.health_checks().items() if not ok]
-        if self.source is not None and self.source.fatal is not None:
-            reasons.append(f"consumer: {self.source.fatal.str()}")
+        if self.source is not None and self.source.errors.fatal is not None:
+            reasons.append(f"consumer: {self.source.errors.fatal.str()}")
         if self.publisher is not None and self.publisher.failure is not None:
             reasons.append(f"publisher: {self.publisher.failure}")
         reasons += [model.pipeline.stuck for model in self.models

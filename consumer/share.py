@@ -33,19 +33,18 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from confluent_kafka import AcknowledgeType, KafkaError, KafkaException
+from confluent_kafka import AcknowledgeType, KafkaException
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.intake import Intake, PartitionKey
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
-from kinference.consumer.source import is_fatal
+from kinference.consumer.source import ConsumerErrors, poll_until_closed
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
-_ERROR_BACKOFF_S = 0.5
 
 Acknowledgement = tuple[str, int, int, AcknowledgeType]
 
@@ -160,20 +159,18 @@ class ShareSource:
         self._intake = intake
         self._ledger = ledger
         self._metrics = metrics
-        self._fatal_errors = metrics.fatal_errors.labels("consumer")
+        self.errors = ConsumerErrors(metrics, "share consumer")
         if consumer_factory is None:
             from confluent_kafka import ShareConsumer
 
             consumer_factory = ShareConsumer
-        self._consumer = consumer_factory({**config.share_consumer_config(), "error_cb": self._on_client_error})
+        self._consumer = consumer_factory({**config.share_consumer_config(), "error_cb": self.errors.on_client})
         self._thread = threading.Thread(target=self._run, name="kinference-share-source", daemon=True)
         self._closing = threading.Event()
         self._draining = threading.Event()
         self._paused_for_good = threading.Event()
         self.joined = threading.Event()
         """Set once the first fetch came back: the member is in the share group."""
-        self.broker_up = False
-        self.fatal: KafkaError | None = None
 
     def start(self) -> None:
         set_share_group_start(self._config)
@@ -193,7 +190,7 @@ class ShareSource:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.fatal is None
+        return self._thread.is_alive() and self.errors.fatal is None
 
     @property
     def paused(self) -> bool:
@@ -203,15 +200,7 @@ class ShareSource:
 
     def _run(self) -> None:
         try:
-            while not self._closing.is_set() and self.fatal is None:
-                try:
-                    self._poll_once()
-                except KafkaException as exc:
-                    self._on_client_error(exc.args[0])
-                    time.sleep(_ERROR_BACKOFF_S)
-                except Exception:
-                    log.exception("poll loop error; continuing")
-                    time.sleep(_ERROR_BACKOFF_S)
+            poll_until_closed(self._poll_once, self._closing, self.errors)
         finally:
             self._close_consumer()
 
@@ -227,8 +216,8 @@ class ShareSource:
             return
         records = list(self._consumer.poll(_POLL_S))  # also sends the acknowledgements made since the last one
         self.joined.set()
-        self.broker_up = True
-        self._intake.take(records, self._on_record_error)
+        self.errors.broker_up = True
+        self._intake.take(records, self.errors.on_record)
 
     def _acknowledge(self, outcomes: list[Any]) -> None:
         for topic, partition, offset, kind in outcomes:
@@ -241,7 +230,7 @@ class ShareSource:
             self._metrics.share_acknowledgements.labels(kind.name.lower()).inc()
 
     def _close_consumer(self) -> None:
-        if self.fatal is None:
+        if self.errors.fatal is None:
             try:
                 self._acknowledge(self._ledger.release_all())
                 self._consumer.commit_sync(10)
@@ -253,19 +242,3 @@ class ShareSource:
         except KafkaException as exc:
             log.warning("closing the share consumer failed: %s", exc)
         log.info("share consumer closed")
-
-    def _on_record_error(self, error: KafkaError) -> None:
-        if is_fatal(error):
-            self._on_client_error(error)
-            return
-        log.error("consume error: %s", error)
-
-    def _on_client_error(self, error: KafkaError) -> None:
-        if error.code() == KafkaError._ALL_BROKERS_DOWN:
-            self.broker_up = False
-        if is_fatal(error):
-            self.fatal = error
-            self._fatal_errors.inc()
-            log.critical("share consumer fatal error: %s; stopping", error)
-            return
-        log.warning("share consumer: %s", error)

@@ -51,6 +51,51 @@ def is_fatal(error: KafkaError) -> bool:
     return error.fatal() or error.code() == KafkaError._FATAL
 
 
+class ConsumerErrors:
+    """What a consumer's errors mean for the member, for either source (this one and ``share.ShareSource``): a
+    fatal one ends it (``fatal``: the poll loop stops and the service exits 1), and losing every broker clears
+    ``broker_up`` (readiness). librdkafka calls ``on_client`` (its ``error_cb``) from the poll thread; a fetch's
+    errors come to ``on_record``."""
+
+    def __init__(self, metrics: Metrics, client: str) -> None:
+        self._fatal_errors = metrics.fatal_errors.labels("consumer")
+        self._client = client
+        self.broker_up = False
+        """Some broker connection is up (librdkafka statistics; also set by a successful fetch or assignment)."""
+        self.fatal: KafkaError | None = None
+
+    def on_record(self, error: KafkaError) -> None:
+        if error.code() == KafkaError._PARTITION_EOF:
+            return
+        if is_fatal(error):
+            self.on_client(error)
+            return
+        log.error("%s: consume error: %s", self._client, error)
+
+    def on_client(self, error: KafkaError) -> None:
+        if error.code() == KafkaError._ALL_BROKERS_DOWN:
+            self.broker_up = False
+        if is_fatal(error):
+            self.fatal = error
+            self._fatal_errors.inc()
+            log.critical("%s fatal error: %s; stopping", self._client, error)
+            return
+        log.warning("%s: %s", self._client, error)
+
+
+def poll_until_closed(poll_once: Callable[[], None], closing: threading.Event, errors: ConsumerErrors) -> None:
+    """Turn a poll loop until ``closing`` is set or a fatal error came; a turn that raises never ends it."""
+    while not closing.is_set() and errors.fatal is None:
+        try:
+            poll_once()
+        except KafkaException as exc:
+            errors.on_client(exc.args[0])
+            time.sleep(_ERROR_BACKOFF_S)
+        except Exception:
+            log.exception("poll loop error; continuing")
+            time.sleep(_ERROR_BACKOFF_S)
+
+
 class Committer(Protocol):
     """How answered offsets are committed: the checkpoint (``checkpoint.Checkpoint``)."""
 
@@ -79,21 +124,18 @@ class Source:
         self._tracker = tracker
         self._committer = committer
         self._in_flight = in_flight
-        self._fatal_errors = metrics.fatal_errors.labels("consumer")
+        self.errors = ConsumerErrors(metrics, "consumer")
         self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics)
         self.rebalance = Rebalance(tracker, self._flow, discard, committer.commit, metrics,
                                    incremental=config.incremental_rebalancing,
                                    drain_s=config.rebalance_drain_ms / 1000)
-        callbacks: dict[str, Any] = {"error_cb": self._on_client_error, "stats_cb": self._on_stats}
+        callbacks: dict[str, Any] = {"error_cb": self.errors.on_client, "stats_cb": self._on_stats}
         if hasattr(committer, "on_commit"):
             callbacks["on_commit"] = committer.on_commit
         self._consumer = consumer_factory({**config.consumer_config(), **callbacks})
         self._thread = threading.Thread(target=self._run, name="kinference-source", daemon=True)
         self._closing = threading.Event()
         self._paused_for_good = threading.Event()
-        self.broker_up = False
-        """Some broker connection is up (librdkafka statistics; also set by a successful assignment)."""
-        self.fatal: KafkaError | None = None
 
     def start(self) -> None:
         self._consumer.subscribe(list(self._config.request_topics), on_assign=self._on_assign,
@@ -117,7 +159,7 @@ class Source:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.fatal is None
+        return self._thread.is_alive() and self.errors.fatal is None
 
     @property
     def paused(self) -> bool:
@@ -135,17 +177,9 @@ class Source:
 
     def _run(self) -> None:
         try:
-            while not self._closing.is_set() and self.fatal is None:
-                try:
-                    self._poll_once()
-                except KafkaException as exc:
-                    self._on_client_error(exc.args[0])
-                    time.sleep(_ERROR_BACKOFF_S)
-                except Exception:
-                    log.exception("poll loop error; continuing")
-                    time.sleep(_ERROR_BACKOFF_S)
+            poll_until_closed(self._poll_once, self._closing, self.errors)
         finally:
-            if self.fatal is None:
+            if self.errors.fatal is None:
                 self._committer.commit(self._consumer)
             self._consumer.close()  # leaves the group: the partitions move to other members at once
             log.info("consumer closed")
@@ -171,7 +205,7 @@ class Source:
         return [first, *self._consumer.consume(limit - 1, 0)] if limit > 1 else [first]
 
     def _take_in(self, records: list[Any]) -> None:
-        next_offsets = self._intake.take(records, self._on_record_error)
+        next_offsets = self._intake.take(records, self.errors.on_record)
         if next_offsets:
             self._check_positions(next_offsets)
 
@@ -182,27 +216,9 @@ class Source:
                 self._tracker.check_position((tp.topic, tp.partition), tp.offset)
 
     def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
-        self.broker_up = True
+        self.errors.broker_up = True
         self.rebalance.on_assign(consumer, partitions)
-
-    def _on_record_error(self, error: KafkaError) -> None:
-        if error.code() == KafkaError._PARTITION_EOF:
-            return
-        if is_fatal(error):
-            self._on_client_error(error)
-            return
-        log.error("consume error: %s", error)
-
-    def _on_client_error(self, error: KafkaError) -> None:
-        if error.code() == KafkaError._ALL_BROKERS_DOWN:
-            self.broker_up = False
-        if is_fatal(error):
-            self.fatal = error
-            self._fatal_errors.inc()
-            log.critical("consumer fatal error: %s; stopping", error)
-            return
-        log.warning("consumer: %s", error)
 
     def _on_stats(self, stats_json: str) -> None:
         brokers = orjson.loads(stats_json).get("brokers", {})
-        self.broker_up = any(broker.get("state") == "UP" for broker in brokers.values())
+        self.errors.broker_up = any(broker.get("state") == "UP" for broker in brokers.values())

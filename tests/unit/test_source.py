@@ -175,11 +175,11 @@ def test_a_fatal_consumer_error_ends_the_poll_loop():
     metrics = Metrics()
     source, consumer, _, _, _ = make_source(metrics)
     source.start()
-    source._on_client_error(KafkaError(KafkaError._FENCED, "fenced by a newer instance", fatal=True))
+    source.errors.on_client(KafkaError(KafkaError._FENCED, "fenced by a newer instance", fatal=True))
     deadline = time.monotonic() + 5
     while source._thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not source.alive and source.fatal.code() == KafkaError._FENCED
+    assert not source.alive and source.errors.fatal.code() == KafkaError._FENCED
     assert metrics.registry.get_sample_value("kinference_fatal_errors_total", {"client": "consumer"}) == 1
     assert ("close", None) in consumer.calls and not any(name == "commit" for name, _ in consumer.calls)
 
@@ -188,5 +188,5 @@ def test_a_fatal_error_a_fetch_carries_ends_the_member_although_its_flag_is_unse
     """Apache Kafka fences a static member through the fetch: code _FATAL, ``fatal()`` false (the member served on
     as a zombie before; tests/faults/test_exit.py shows it on the broker)."""
     source, *_ = make_source()
-    source._on_record_error(KafkaError(KafkaError._FATAL, "Static consumer fenced by other consumer"))
-    assert source.fatal is not None and not source.alive
+    source.errors.on_record(KafkaError(KafkaError._FATAL, "Static consumer fenced by other consumer"))
+    assert source.errors.fatal is not None and not source.alive
