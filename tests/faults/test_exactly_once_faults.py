@@ -74,7 +74,11 @@ def test_revoke_and_reassign_with_requests_in_flight_commits_each_reply_once(bro
     by_id = Counter(headers_of(m)[protocol.CORRELATION_ID] for m in replies)
     print(f"\nexactly-once rebalance: {moved} partitions moved away and back, {dropped:.0f} waiting requests "
           f"left to the other member, {len(replies)} replies, aborted transactions {first_aborts + second_aborts:.0f}")
-    assert first_aborts == 0 and second_aborts == 0, "an aborted transaction would be visible on Tansu"
+    if broker.kind == "tansu":  # its read_committed shows aborted replies: none may be aborted there
+        assert first_aborts == 0 and second_aborts == 0, "an aborted transaction would be visible on Tansu"
+    # On Apache Kafka a rebalance can fail one transaction's offsets (ILLEGAL_GENERATION: the generation moved
+    # between the transaction's group metadata and its commit); it is aborted, read_committed hides it, and its
+    # requests are answered in the next one: the check below is the guarantee.
     assert len(by_id) == 400 and set(by_id.values()) == {1}, Counter(by_id.values())
 
 
