@@ -31,9 +31,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from enum import IntEnum
 from typing import Any
 
-from confluent_kafka import AcknowledgeType, KafkaException
+from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 
 from kinference.consumer.config import ServiceConfig
@@ -41,10 +42,23 @@ from kinference.consumer.intake import Intake, PartitionKey
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
 from kinference.consumer.source import ConsumerErrors, poll_until_closed
+from kinference.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
+
+
+
+class AcknowledgeType(IntEnum):
+    """librdkafka's acknowledgement types, as ``confluent_kafka.AcknowledgeType`` numbers them. Kept here so that
+    kinference imports with a confluent-kafka older than the share consumer (its lowest supported release); only
+    ``--group-type share`` needs one that has it."""
+
+    ACCEPT = 1
+    RELEASE = 2
+    REJECT = 3
+
 
 Acknowledgement = tuple[str, int, int, AcknowledgeType]
 
@@ -161,8 +175,11 @@ class ShareSource:
         self._metrics = metrics
         self.errors = ConsumerErrors(metrics, "share consumer")
         if consumer_factory is None:
-            from confluent_kafka import ShareConsumer
-
+            try:
+                from confluent_kafka import ShareConsumer
+            except ImportError as exc:
+                raise ConfigError("--group-type share needs a confluent-kafka with the share consumer (2.16 is "
+                                  "tested): pip install -U confluent-kafka") from exc
             consumer_factory = ShareConsumer
         self._consumer = consumer_factory({**config.share_consumer_config(), "error_cb": self.errors.on_client})
         self._thread = threading.Thread(target=self._run, name="kinference-share-source", daemon=True)
@@ -222,7 +239,7 @@ class ShareSource:
     def _acknowledge(self, outcomes: list[Any]) -> None:
         for topic, partition, offset, kind in outcomes:
             try:
-                self._consumer.acknowledge_offset(topic, partition, offset, kind)
+                self._consumer.acknowledge_offset(topic, partition, offset, int(kind))
             except Exception as exc:  # its lock expired: the broker has given the record to another member already
                 log.warning("acknowledging %s[%d] offset %d as %s failed: %s", topic, partition, offset, kind.name,
                             exc)

@@ -7,13 +7,12 @@ import threading
 import time
 
 import pytest
-from confluent_kafka import AcknowledgeType
 
 from kinference.consumer.config import ServiceConfig, load_config
 from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import RequestDecoder
-from kinference.consumer.share import ShareLedger, ShareSource
+from kinference.consumer.share import AcknowledgeType, ShareLedger, ShareSource
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import ErrorCode
 from tests.fakes import FakeRecord
@@ -130,3 +129,13 @@ def test_the_poll_thread_fetches_again_only_once_the_last_fetch_is_acknowledged(
     assert consumer.acknowledged == [(0, AcknowledgeType.ACCEPT), (1, AcknowledgeType.ACCEPT),
                                      (2, AcknowledgeType.ACCEPT), (3, AcknowledgeType.ACCEPT),
                                      (4, AcknowledgeType.RELEASE), (5, AcknowledgeType.RELEASE)]
+
+
+def test_kinferences_acknowledgement_numbers_are_librdkafkas():
+    import confluent_kafka
+
+    theirs = getattr(confluent_kafka, "AcknowledgeType", None)
+    if theirs is None:
+        pytest.skip(f"confluent-kafka {confluent_kafka.version()[0]} has no share consumer")
+    assert {kind.name: int(kind) for kind in AcknowledgeType} == {name: int(getattr(theirs, name))
+                                                                  for name in ("ACCEPT", "RELEASE", "REJECT")}
