@@ -136,6 +136,6 @@ def test_kinferences_acknowledgement_numbers_are_librdkafkas():
 
     theirs = getattr(confluent_kafka, "AcknowledgeType", None)
     if theirs is None:
-        pytest.skip(f"confluent-kafka {confluent_kafka.version()[0]} has no share consumer")
+        pytest.skip("this confluent-kafka has no share consumer (an older release than 2.16)")
     assert {kind.name: int(kind) for kind in AcknowledgeType} == {name: int(getattr(theirs, name))
                                                                   for name in ("ACCEPT", "RELEASE", "REJECT")}
