@@ -37,7 +37,9 @@ def test_a_worker_that_keeps_dying_stops_the_supervisor_with_exit_code_1(tmp_pat
                             metrics_dir=tmp_path, backoff_s=(0.01, 0.05), quick_deaths=3)
     assert supervisor.run() == 1
     assert max(worker.restarts for worker in supervisor.workers) == 2  # started 3 times, then given up on
-    assert all(worker.last_exit == 3 for worker in supervisor.workers)
+    # The worker given up on exited 3 each time; the other may have been stopped first (the supervisor then stops
+    # every worker), so only one is certain to have died of itself (a CI run saw the other end by SIGTERM).
+    assert any(worker.last_exit == 3 and worker.restarts == 2 for worker in supervisor.workers)
 
 
 def test_health_names_the_unhealthy_worker_and_a_signal_reaches_every_worker(tmp_path: Path):
