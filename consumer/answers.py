@@ -1,4 +1,5 @@
-"""What answers a request, and what happens when the broker refuses one of its records.
+"""What answers a request (its reply and dead-letter records: their values and headers), and what happens when the
+broker refuses one of them.
 
 Both delivery modes answer the same way (``publisher`` produces at once, ``transactions`` inside a
 transaction); only when an answer counts as done differs. A request is answered by
@@ -29,9 +30,26 @@ from typing import Literal
 
 from confluent_kafka import KafkaError
 
-from kinference.consumer.request import Headers, Request, dead_letter_headers, reply_headers, reply_value
+from kinference.consumer.request import Request
+from kinference.consumer.types import Headers
 from kinference.errors import RequestError
-from kinference.protocol import ErrorCode
+from kinference.protocol import (
+    BATCH_SIZE,
+    CORRELATION_ID,
+    ERROR_CODE,
+    ERROR_MESSAGE,
+    INFERENCE_MS,
+    MAX_ERROR_MESSAGE,
+    QUEUE_MS,
+    SERVICE_MS,
+    SOURCE_OFFSET,
+    SOURCE_PARTITION,
+    SOURCE_TOPIC,
+    SPRING_CORRELATION_ID,
+    STATUS,
+    ErrorCode,
+    encode_error,
+)
 
 Record = tuple[str, bytes | None, bytes | None, Headers, int | None]
 """topic, value, key, headers, partition: what is needed to produce a record (again)."""
@@ -158,3 +176,57 @@ def _dead_letter(request: Request, topic: str, error: RequestError, now: float, 
     record = (topic, request.value if original else None, request.key, dead_letter_headers(request, error, original),
               None)
     return Delivery(request, "dead_letter", record, now, reason=error, original=original)
+
+
+def reply_headers(request: Request, now: float) -> Headers:
+    """Headers of the reply: status, correlation and the server-side timings clients report on."""
+    headers: Headers = [
+        (CORRELATION_ID, request.correlation_id.encode()),
+        (STATUS, b"ok" if request.ok else b"error"),
+        (SERVICE_MS, _ms(now - request.received)),
+    ]
+    if request.spring_correlation_id is not None:
+        headers.append((SPRING_CORRELATION_ID, request.spring_correlation_id))
+    if request.error is not None:
+        headers.append((ERROR_CODE, str(request.error.code).encode()))
+    if request.dispatched is not None:
+        headers += [
+            (QUEUE_MS, _ms(request.dispatched - request.received)),
+            (BATCH_SIZE, str(request.batch_size).encode()),
+            (INFERENCE_MS, f"{request.inference_ms:.3f}".encode()),
+        ]
+    if request.model is not None:
+        headers += request.model.reply_headers
+    if request.reply_format is not None:
+        headers += request.reply_format.value_headers
+    if request.trace is not None:
+        headers += request.trace.context_headers()  # the caller's trace goes on from the request's span
+    return headers
+
+
+def reply_value(request: Request) -> bytes:
+    if request.reply_value is None and request.error is None:
+        # postprocess sets reply_value on every ok request; if that ever fails, the caller still gets an answer.
+        request.fail(RequestError("the request finished without a result", ErrorCode.INTERNAL_ERROR))
+    if request.error is not None:
+        if request.reply_format is not None:
+            return request.reply_format.error(request.error.code, request.error.message[:MAX_ERROR_MESSAGE])
+        return encode_error(request.error.code, request.error.message)
+    return request.reply_value  # type: ignore[return-value]
+
+
+def dead_letter_headers(request: Request, error: RequestError, original: bool = True) -> Headers:
+    """The original headers (with ``original``) plus where the record came from and why it could not be
+    served."""
+    return [
+        *(request.headers if original else []),
+        (ERROR_CODE, str(error.code).encode()),
+        (ERROR_MESSAGE, error.message[:MAX_ERROR_MESSAGE].encode()),
+        (SOURCE_TOPIC, request.topic.encode()),
+        (SOURCE_PARTITION, str(request.partition).encode()),
+        (SOURCE_OFFSET, str(request.offset).encode()),
+    ]
+
+
+def _ms(seconds: float) -> bytes:
+    return f"{seconds * 1000:.3f}".encode()

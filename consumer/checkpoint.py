@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 from confluent_kafka import KafkaError
 
-from kinference.consumer.commit import PartitionKey
 from kinference.consumer.request import Request
+from kinference.consumer.types import PartitionKey
 
 
 class Abort(Exception):
@@ -54,8 +54,9 @@ class Checkpoint(Protocol):
     producer initialised again would fence the other instance of its id in turn)."""
 
     @property
-    def held(self) -> int:
-        """Finished requests the checkpoint holds back from their answer; they count as in flight."""
+    def in_flight(self) -> int:
+        """Requests taken in and not yet answered for good: those the tracker follows, and the finished ones the
+        checkpoint holds back from their answer. Flow control bounds this (``--max-in-flight``)."""
 
     def open(self, producer: Any) -> None:
         """Make the producer ready (exactly-once registers its transactional id). Publisher thread, at start."""

@@ -28,10 +28,9 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from kinference.consumer.request import Request
+from kinference.consumer.types import PartitionKey
 
 log = logging.getLogger(__name__)
-
-PartitionKey = tuple[str, int]
 
 
 class PartitionLedger:
@@ -216,8 +215,6 @@ class ConsumerCheckpoint:
 
     replaces_producer = True
     """Nothing is lost with a dead producer: what it did not deliver is produced again by a new one."""
-    held = 0
-    """Nothing waits here: a finished request is answered at once."""
 
     def __init__(self, tracker: OffsetTracker, metrics: Any, interval_s: float) -> None:
         self._tracker = tracker
@@ -227,6 +224,11 @@ class ConsumerCheckpoint:
         self._waiting = False
         """An asynchronous commit is out: the next waits for its report, so that commits never pile up while the
         coordinator does not answer (a rebalance, a fail-over)."""
+
+    @property
+    def in_flight(self) -> int:
+        """Nothing waits here (a finished request is answered at once): what the tracker follows."""
+        return self._tracker.in_flight
 
     # --- the publisher's side
 

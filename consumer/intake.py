@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from kinference.consumer.logs import about
 from kinference.consumer.request import Request, RequestDecoder
+from kinference.consumer.types import PartitionKey
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 
@@ -24,33 +25,47 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PartitionKey = tuple[str, int]
-
-
 class Tracker(Protocol):
+    """The commit ledger (``commit.OffsetTracker``) or a share group's (``share.ShareLedger``)."""
+
     def track(self, key: PartitionKey, offset: int) -> Any:
         """The record's ledger, or None when it is not to be served (not owned, or seen already)."""
 
 
-class Intake:
-    def __init__(
-        self,
-        decoder: RequestDecoder,
-        tracker: Tracker,
-        admit: Callable[[list[Request]], None],
-        route: Callable[[Request], None],
-        reject: Callable[[Request], None],
-        tracing: Tracing | None = None,
-    ) -> None:
-        """``admit`` validates and prices the readable requests of one fetch and never raises; ``route`` takes each
-        request on (to the batcher, or to an error reply); ``reject`` answers a request at once (an error reply);
-        ``tracing``, when on, starts each request's span."""
+TrackerT = TypeVar("TrackerT", bound=Tracker)
+
+
+class Downstream(Protocol):
+    """Where the intake hands requests on: the served models (``models.Models``)."""
+
+    def admit(self, requests: list[Request]) -> None:
+        """Validate and price the readable requests of one fetch; never raises."""
+
+    def route(self, request: Request) -> None:
+        """Take a request on: to its model's batcher, or to an error reply."""
+
+    def answer_now(self, request: Request) -> None:
+        """Answer a request at once (an error reply)."""
+
+    def discard(self, partitions: list[PartitionKey]) -> list[Request]:
+        """Take the not-yet-started requests of revoked partitions back."""
+
+
+class Intake(Generic[TrackerT]):
+    """What the source does with each fetch. The source reaches the rest of the service only through it: the
+    ``tracker`` it commits from, and ``discard`` on revoke."""
+
+    def __init__(self, decoder: RequestDecoder, tracker: TrackerT, models: Downstream,
+                 tracing: Tracing | None = None) -> None:
+        """``tracing``, when on, starts each request's span."""
+        self.tracker = tracker
         self._decoder = decoder
-        self._tracker = tracker
-        self._admit = admit
-        self._route = route
-        self._reject = reject
+        self._models = models
         self._tracing = tracing
+
+    def discard(self, partitions: list[PartitionKey]) -> list[Request]:
+        """The requests of revoked partitions that no model has started on, taken back."""
+        return self._models.discard(partitions)
 
     def take(self, records: list[Any], on_error: Callable[[Any], None]) -> dict[PartitionKey, int]:
         """Take in one fetch's records; ``on_error`` gets each consume error the fetch carried. Returns the next
@@ -64,7 +79,7 @@ class Intake:
                 on_error(error)
                 continue
             key, offset = (record.topic(), record.partition()), record.offset()
-            ledger = self._tracker.track(key, offset)
+            ledger = self.tracker.track(key, offset)
             if ledger is None:
                 log.debug("dropped %s[%d] offset %d: partition not owned, or already consumed", *key, offset)
                 continue
@@ -74,7 +89,7 @@ class Intake:
             requests.append(request)
         if self._tracing is not None:
             self._tracing.received(requests)
-        self._admit([request for request in requests if request.ok])
+        self._models.admit([request for request in requests if request.ok])
         for request in requests:
             self._take(request)
         return next_offsets
@@ -83,12 +98,12 @@ class Intake:
         """Route one tracked request. Nothing it does may leave the loop: the requests after it in this fetch must
         still be routed."""
         try:
-            self._route(request)
+            self._models.route(request)
         except Exception as exc:  # a bug: the record is tracked, so it must still be answered
             log.exception("routing a request failed; it gets an internal_error reply", extra=about(request))
             request.fail(RequestError(f"kinference could not route the request: {exc!r}", ErrorCode.INTERNAL_ERROR))
             try:
-                self._reject(request)
+                self._models.answer_now(request)
             except Exception:
                 log.critical("the request cannot be answered; it stays in flight and is never acknowledged past",
                              exc_info=True, extra=about(request))

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from kinference.consumer.commit import PartitionKey
 from kinference.consumer.metrics import Metrics
+from kinference.consumer.types import PartitionKey
 
 log = logging.getLogger(__name__)
 

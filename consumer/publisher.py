@@ -194,11 +194,6 @@ class Publisher:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    @property
-    def held(self) -> int:
-        """Finished requests the checkpoint holds back (exactly-once: until their transaction commits)."""
-        return self._checkpoint.held
-
     # --- the publisher thread
 
     def _run(self) -> None:

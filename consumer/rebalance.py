@@ -26,10 +26,11 @@ from typing import Any
 
 from confluent_kafka import TopicPartition
 
-from kinference.consumer.commit import OffsetTracker, PartitionKey
+from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.flow import FlowControl
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
+from kinference.consumer.types import PartitionKey
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""``Request``, the value that travels through the service: how a Kafka record becomes one, and what its
-reply and dead-letter records carry. The names and formats themselves are in ``kinference.protocol``.
+"""``Request``, the value that travels through the service, and how a Kafka record becomes one (``RequestDecoder``):
+the inbound side only. What its reply and dead-letter records carry is in ``answers``; the header names and value
+formats themselves are in ``kinference.protocol``.
 """
 
 from __future__ import annotations
@@ -9,60 +10,32 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
 
 from kinference.consumer import oip
+from kinference.consumer.types import Headers, ReplyFormat, Trace
 from kinference.errors import RequestError
 from kinference.handlers.base import Record
 from kinference.protocol import (
-    BATCH_SIZE,
     CORRELATION_ID,
     DEADLINE_MS,
-    ERROR_CODE,
-    ERROR_MESSAGE,
-    INFERENCE_MS,
-    MAX_ERROR_MESSAGE,
     MAX_JSON_DEPTH,
-    QUEUE_MS,
     REPLY_TO,
-    SERVICE_MS,
-    SOURCE_OFFSET,
-    SOURCE_PARTITION,
-    SOURCE_TOPIC,
     SPRING_CORRELATION_ID,
     SPRING_REPLY_PARTITION,
     SPRING_REPLY_TOPIC,
-    STATUS,
     ErrorCode,
     PayloadFormat,
     decode_deadline,
     decode_partition,
-    encode_error,
 )
 
 if TYPE_CHECKING:  # the Schema Registry client is an optional extra: imported only when configured
     from kinference.consumer.router import ModelRoute, Router
     from kinference.consumer.serdes import SchemaRegistryFormat
-    from kinference.consumer.tracing import RequestTrace  # OpenTelemetry is an optional extra too
-
-Headers = list[tuple[str, bytes]]
-
-
-class ReplyFormat(Protocol):
-    """A reply value format other than kinference's JSON (``protocol.encode_result``/``encode_error``)."""
-
-    def response(self, result: Any) -> bytes:
-        """The reply value of a result; ``RequestError`` when the result cannot be written so."""
-
-    def error(self, code: ErrorCode, message: str) -> bytes:
-        """The reply value of a failed request."""
-
-    @property
-    def value_headers(self) -> Headers | tuple[()]:
-        """Headers the last value written needs beside it (a Schema Registry schema id); mostly none."""
 
 _LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 
@@ -107,8 +80,8 @@ class Request:
     reply_format: ReplyFormat | None = None
     """How the reply value is written when it is not kinference's JSON: an Open Inference Protocol
     ``InferenceResponse`` (``consumer.oip.OipCall``), or a Schema Registry record (``consumer.serdes.SchemaReply``)."""
-    trace: RequestTrace | None = None
-    """The request's span (``consumer.tracing``); None when tracing is off."""
+    trace: Trace | None = None
+    """The request's span (``consumer.tracing.RequestTrace``); None when tracing is off."""
     model: ModelRoute | None = None
     """The model that serves it (``consumer.router``); None until routed, and for a record no model serves."""
 
@@ -372,57 +345,3 @@ def _deadline(raw: bytes) -> int:
         return decode_deadline(raw)
     except ValueError as exc:
         raise RequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
-
-
-def reply_headers(request: Request, now: float) -> Headers:
-    """Headers of the reply: status, correlation and the server-side timings clients report on."""
-    headers: Headers = [
-        (CORRELATION_ID, request.correlation_id.encode()),
-        (STATUS, b"ok" if request.ok else b"error"),
-        (SERVICE_MS, _ms(now - request.received)),
-    ]
-    if request.spring_correlation_id is not None:
-        headers.append((SPRING_CORRELATION_ID, request.spring_correlation_id))
-    if request.error is not None:
-        headers.append((ERROR_CODE, str(request.error.code).encode()))
-    if request.dispatched is not None:
-        headers += [
-            (QUEUE_MS, _ms(request.dispatched - request.received)),
-            (BATCH_SIZE, str(request.batch_size).encode()),
-            (INFERENCE_MS, f"{request.inference_ms:.3f}".encode()),
-        ]
-    if request.model is not None:
-        headers += request.model.reply_headers
-    if request.reply_format is not None:
-        headers += request.reply_format.value_headers
-    if request.trace is not None:
-        headers += request.trace.context_headers()  # the caller's trace goes on from the request's span
-    return headers
-
-
-def reply_value(request: Request) -> bytes:
-    if request.reply_value is None and request.error is None:
-        # postprocess sets reply_value on every ok request; if that ever fails, the caller still gets an answer.
-        request.fail(RequestError("the request finished without a result", ErrorCode.INTERNAL_ERROR))
-    if request.error is not None:
-        if request.reply_format is not None:
-            return request.reply_format.error(request.error.code, request.error.message[:MAX_ERROR_MESSAGE])
-        return encode_error(request.error.code, request.error.message)
-    return request.reply_value  # type: ignore[return-value]
-
-
-def dead_letter_headers(request: Request, error: RequestError, original: bool = True) -> Headers:
-    """The original headers (with ``original``) plus where the record came from and why it could not be
-    served."""
-    return [
-        *(request.headers if original else []),
-        (ERROR_CODE, str(error.code).encode()),
-        (ERROR_MESSAGE, error.message[:MAX_ERROR_MESSAGE].encode()),
-        (SOURCE_TOPIC, request.topic.encode()),
-        (SOURCE_PARTITION, str(request.partition).encode()),
-        (SOURCE_OFFSET, str(request.offset).encode()),
-    ]
-
-
-def _ms(seconds: float) -> bytes:
-    return f"{seconds * 1000:.3f}".encode()

@@ -47,7 +47,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.request import Headers
+from kinference.consumer.types import Headers
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import ErrorCode, PayloadFormat, encode_error
 

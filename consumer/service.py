@@ -1,10 +1,5 @@
-"""The service: wires source -> batcher -> stages -> publisher -> commit, and owns their lifecycle.
-
-Each served model (one by default, several with ``models``) has its own handler, batcher and stage threads; the
-source, the publisher, the commit ledger and the device are the process's. The source's decoder routes each
-record to its model (``consumer/router.py``), and ``_route`` hands it to that model's batcher, unless that model
-already holds its share of ``max_in_flight`` (then the request is answered ``overloaded`` at once: the partitions
-are shared, and pausing them for one slow or stuck model would hold up the others).
+"""The service: wires source -> intake -> models (batcher -> stages) -> publisher -> checkpoint, and owns their
+lifecycle. It takes no part in any request's path.
 
 Start order: the stages first (each inference thread warms the model up), then the publisher, the source last,
 so that nothing is consumed before the model is ready and there is somewhere to send replies.
@@ -21,35 +16,28 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from confluent_kafka import KafkaException
 
-from kinference.consumer.admission import admit
-from kinference.consumer.batcher import Batcher
 from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.endpoints import Endpoints
 from kinference.consumer.intake import Intake
 from kinference.consumer.lag import LagMonitor
 from kinference.consumer.metrics import Metrics
-from kinference.consumer.oip import ServedModel as OipModel
+from kinference.consumer.models import Models
 from kinference.consumer.publisher import Publisher
-from kinference.consumer.request import Request, RequestDecoder
-from kinference.consumer.router import ModelRoute, Router
+from kinference.consumer.request import RequestDecoder
 from kinference.consumer.share import ShareLedger, ShareSource
 from kinference.consumer.source import Source
-from kinference.consumer.stages import Pipeline
 from kinference.consumer.transactions import MemberSlot, TransactionCheckpoint
-from kinference.errors import ConfigError, RequestError
-from kinference.handlers import Handler, HandlerContext, load_handler
-from kinference.protocol import ErrorCode
+from kinference.errors import ConfigError
+from kinference.handlers import Handler
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -63,39 +51,6 @@ _CLOSE_RESERVE_S = 5.0
 """Of the shutdown deadline, the part kept for flushing replies, committing and leaving the group."""
 _PAUSE_WAIT_S = 2.0
 """At shutdown, how long to wait for the poll thread to pause (one poll turn, normally)."""
-
-
-@dataclass(eq=False)
-class LoadedModel:
-    """One model of the process: its settings, its handler (one copy of the weights) and, once built, its own
-    batcher and stage threads. The device, the consumer, the producer and the commit ledger are the process's."""
-
-    config: ServiceConfig
-    """The service's settings with this model's own in place (``ServiceConfig.for_model``)."""
-    handler: Handler
-    route: ModelRoute | None = None
-    batcher: Batcher | None = None
-    pipeline: Pipeline | None = None
-    max_in_flight: int | None = None
-    """With several models, the most requests this model may hold (waiting in its batcher or in its stages);
-    None with one model, where flow control's pause is the only bound."""
-
-    @property
-    def name(self) -> str:
-        return self.route.name if self.route is not None else self.config.handler
-
-    def saturation(self) -> RequestError | None:
-        """Why a new request for this model is refused at once: it holds its share of ``max_in_flight``. Pausing
-        the partitions instead would hold up every other model's requests on them."""
-        if self.max_in_flight is None:
-            return None
-        held = self.batcher.waiting + self.pipeline.in_progress  # type: ignore[union-attr]
-        if held < self.max_in_flight:
-            return None
-        return RequestError(f"model {self.name!r} is saturated: {held} of its requests are in flight, its share of "
-                            "max_in_flight (--max-in-flight / number of models)", ErrorCode.OVERLOADED)
-
-
 _GC_YOUNG_THRESHOLD = 50_000
 """Allocations between young-generation collections (CPython's default: 700)."""
 
@@ -133,12 +88,7 @@ class Service:
         self._host_dir = host_dir
         self._tracer_provider = tracer_provider
         self.tracing: Tracing | None = None
-        if handler is not None and config.models:
-            raise ConfigError("a handler object serves one model; with models, each model names its handler")
-        self.models = [LoadedModel(settings, handler if handler is not None else load_handler(settings.handler))
-                       for settings in config.model_configs()]
-        """The served models, the default (first) one first."""
-        self._by_name: dict[str, LoadedModel] = {}
+        self.models = Models(config, handler)
         self.tracker: OffsetTracker | ShareLedger = ShareLedger() if config.group_type == "share" else OffsetTracker()
         """Every consumed record until it is answered: the commit ledger, or a share group's acknowledgements."""
         self.metrics = Metrics()
@@ -179,45 +129,32 @@ class Service:
             import torch
 
             torch.set_num_threads(config.torch_threads)
-        for model in self.models:  # every model on the one device
-            settings = model.config
-            model.handler.setup(HandlerContext(device=device, model=_path(settings.model),
-                                               options=dict(settings.handler_options),
-                                               max_batch_size=settings.micro_batch_size or settings.max_batch_size,
-                                               registry=self.metrics.registry, host_dir=self._host_dir))
+        self.models.setup(device, self.metrics, self._host_dir)
         try:
-            self._build(config)
+            publisher, source = self._build(config)
         except KafkaException as exc:
             raise ConfigError(f"the Kafka client configuration was rejected: {exc.args[0].str()}") from exc
-        for model in self.models:
-            model.pipeline.start()  # type: ignore[union-attr]  # returns once the inference threads warmed up
-            self.metrics.model.labels(model.name).info(_info_labels(model.handler.describe()))
-            settings = model.config
-            log.info("model %s ready: %s; batching: %s policy, max_batch_size=%d, max_batch_delay_ms=%g, "
-                     "micro_batch_size=%s, parallelism %s", model.name, model.handler.describe(),
-                     settings.batch_policy, settings.max_batch_size, settings.max_batch_delay_ms,
-                     settings.micro_batch_size, settings.parallelism.model_dump())
+        self.models.start(self.metrics)  # returns once each model's inference threads warmed it up
         self._model_ready = True
-        self.publisher.start()  # type: ignore[union-attr]
-        self.source.start()  # type: ignore[union-attr]
+        publisher.start()
+        source.start()
         if self.lag is not None:
             self.lag.start()
         self._started = True
         log.info("serving %s -> %s (group %s, models %s, %s, %s rebalancing)",
                  ",".join(config.request_topics), config.reply_topic, config.group_id,
-                 ", ".join(model.name for model in self.models), config.delivery,
+                 ", ".join(model.name for model in self.models.loaded), config.delivery,
                  "incremental" if config.incremental_rebalancing else "eager")
         return self
 
-    def _build(self, config: ServiceConfig) -> None:
-        # Everything in flight fits in the publisher's queue, so the poll thread never waits on it.
-        queue_size = config.max_in_flight + config.max_poll_records
+    def _build(self, config: ServiceConfig) -> tuple[Publisher, Source | ShareSource]:
+        """The publisher, each model's batcher and stages, and the source with its intake (none started)."""
         checkpoint: TransactionCheckpoint | ConsumerCheckpoint
         producer_config = config.producer_config()
         if config.delivery == "exactly-once":
             checkpoint = TransactionCheckpoint(
-                self.tracker,
-                group_metadata=lambda: self.source.group_metadata(),  # type: ignore[union-attr]
+                self.tracker,  # type: ignore[arg-type]  # exactly-once is refused for share groups
+                group_metadata=lambda: self.source.group_metadata(),  # type: ignore[union-attr]  # set below
                 metrics=self.metrics,
                 commit_interval_s=config.commit_interval_ms / 1000,
                 timeout_s=config.transaction_call_timeout_s,
@@ -226,82 +163,35 @@ class Service:
         else:
             # A share group's ledger takes the acknowledged requests too; its source acknowledges them itself.
             checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, config.commit_interval_ms / 1000)
-        self.publisher = Publisher(
+        self.publisher = publisher = Publisher(
             producer_config,
             config.dead_letter_topic,
             checkpoint,
-            queue_size=queue_size,
+            # Everything in flight fits in the publisher's queue, so the poll thread never waits on it.
+            queue_size=config.max_in_flight + config.max_poll_records,
             metrics=self.metrics,
             delivery_retry_timeout_s=config.delivery_retry_timeout_s,
             stall_timeout_s=config.stall_timeout_s,
             tracing=self.tracing,
         )
-        for model in self.models:
-            self._build_model(model, self.publisher)
-        schemas = self._schemas(config)
-        router = Router([model.route for model in self.models], config.model_topics())  # type: ignore[misc]
+        router = self.models.build(publisher.submit, self.metrics, self.tracing)
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
-                                 config.max_header_bytes, config.reply_topic_allowed, schemas=schemas,
+                                 config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
                                  router=router)
-        intake = Intake(decoder, self.tracker, self._admit, self._route, self._reply_now, self.tracing)
         if isinstance(self.tracker, ShareLedger):  # a share group has no offsets: no lag to measure
-            self.source = ShareSource(config, intake, self.tracker, self.metrics)
-            return
-        publisher, tracker = self.publisher, self.tracker
-        self.source = source = Source(config, intake, tracker, self._discard, checkpoint,
-                                      in_flight=lambda: tracker.in_flight + publisher.held, metrics=self.metrics)
+            self.source = ShareSource(config, Intake(decoder, self.tracker, self.models, self.tracing), self.metrics)
+            return publisher, self.source
+        self.source = source = Source(config, Intake(decoder, self.tracker, self.models, self.tracing), checkpoint,
+                                      self.metrics)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: source.rebalance.partitions, self.metrics,
                               config.lag_interval_s)
-
-    def _build_model(self, model: LoadedModel, publisher: Publisher) -> None:
-        """The model's route, batcher and stage threads (not started)."""
-        settings = model.config
-        name = settings.model_name or model.handler.describe().get("model") or settings.handler
-        served = (None if settings.request_format == "kinference" or settings.value_format != "json"
-                  else OipModel(name, settings.model_version, settings.request_format))
-        model.route = ModelRoute(name, settings.model_version, model.handler.payload_format, served)
-        self._by_name[name] = model
-        model.batcher = batcher = Batcher(
-            settings.batch_policy, settings.max_batch_size, settings.max_batch_delay_ms, reject=self._reply_now,
-            max_batch_tokens=settings.max_batch_tokens, max_batch_bytes=settings.max_batch_bytes,
-            max_queue_ms=settings.max_queue_ms, target_latency_ms=settings.target_latency_ms)
-        cost = batcher.cost
-        self.metrics.batch_cost_fixed.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
-        self.metrics.batch_cost_per_unit.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
-        model.pipeline = Pipeline(
-            model.handler,
-            batcher.next_batch,
-            publisher.submit,
-            preprocess_threads=settings.parallelism.preprocess,
-            inference_threads=settings.parallelism.inference,
-            postprocess_threads=settings.parallelism.postprocess,
-            max_batch_size=settings.max_batch_size,
-            micro_batch_size=settings.micro_batch_size,
-            metrics=self.metrics,
-            observe=batcher.observe,
-            wake=batcher.wake,
-            tracing=self.tracing,
-            model=name,
-            handler_timeout_s=settings.handler_timeout_s,
-        )
-        if len(self.models) > 1:
-            model.max_in_flight = max(1, self.config.max_in_flight // len(self.models))
+        return publisher, source
 
     @property
     def handler(self) -> Handler:
         """The default model's handler (the only one, unless ``models`` lists several)."""
-        return self.models[0].handler
-
-    @property
-    def batcher(self) -> Batcher | None:
-        """The default model's batcher."""
-        return self.models[0].batcher
-
-    @property
-    def pipeline(self) -> Pipeline | None:
-        """The default model's stage pipeline."""
-        return self.models[0].pipeline
+        return self.models.default_handler
 
     def _schemas(self, config: ServiceConfig) -> SchemaRegistryFormat | None:
         """The Schema Registry format of request and reply values; None for kinference's JSON."""
@@ -313,8 +203,8 @@ class Service:
             raise ConfigError(f"--value-format {config.value_format} needs the Schema Registry client: pip install "
                               f"'kinference[schema-registry]' ({exc})") from exc
         # The decoded record is every model's payload: a model whose handler takes no JSON fails the start.
-        refusing = next((model for model in self.models if model.handler.payload_format != "json"), self.models[0])
-        return SchemaRegistryFormat.open(config, refusing.handler.payload_format)
+        formats = [handler.payload_format for _, handler in self.models.handlers]
+        return SchemaRegistryFormat.open(config, next((f for f in formats if f != "json"), "json"))
 
     def _open_tracing(self, config: ServiceConfig) -> Tracing | None:
         """OpenTelemetry tracing: None when off, so that none of its code runs (nor is imported)."""
@@ -344,13 +234,13 @@ class Service:
     def health_checks(self) -> dict[str, bool]:
         """What ``/healthz`` reports: every thread alive and nothing fatal (before start: only that the process
         is)."""
-        if not self._started:
+        source, publisher = self.source, self.publisher
+        if not self._started or source is None or publisher is None:
             return {"process": True}
         return {
-            "source": self.source.alive,  # type: ignore[union-attr]
-            "publisher": self.publisher.alive and self.publisher.failure is None,  # type: ignore[union-attr]
-            # One check per model, named after it: an orchestrator's log of the failed probe says which model hung.
-            **{f"model {model.name}": model.pipeline.healthy for model in self.models},  # type: ignore[union-attr]
+            "source": source.alive,
+            "publisher": publisher.alive and publisher.failure is None,
+            **self.models.health_checks(),
         }
 
     def readiness_checks(self) -> dict[str, bool]:
@@ -376,9 +266,7 @@ class Service:
             reasons.append(f"consumer: {self.source.errors.fatal.str()}")
         if self.publisher is not None and self.publisher.failure is not None:
             reasons.append(f"publisher: {self.publisher.failure}")
-        reasons += [model.pipeline.stuck for model in self.models
-                    if model.pipeline is not None and model.pipeline.stuck is not None]
-        return reasons
+        return reasons + self.models.problems()
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop consuming, drain in-flight work, flush replies, commit and leave the group, all within
@@ -398,60 +286,21 @@ class Service:
         if not self.tracker.wait_idle(max(0.0, drain_until - time.monotonic())):
             log.warning("shutdown: %d requests still in flight; they stay uncommitted and are served again after a "
                         "restart", self.tracker.in_flight)
-        for model in self.models:
-            model.batcher.close()  # type: ignore[union-attr]
         # Idle stages stop within a poll interval; busy ones get what is left of the drain time, and a quarter of
         # the reserve. Then the publisher flushes, and the source commits and leaves the group.
-        stages_by = max(time.monotonic(), drain_until) + reserve_s / 4
-        stopped = [model.pipeline.stop(max(0.0, stages_by - time.monotonic()))  # type: ignore[union-attr]
-                   for model in self.models]
+        self.models.stop(max(time.monotonic(), drain_until) + reserve_s / 4)
         publisher.stop(max(0.0, deadline - reserve_s / 2 - time.monotonic()))
         source.close(deadline)
         if self.lag is not None:
             self.lag.stop()
         if self.tracing is not None:  # every span that will end has ended: the publisher has stopped
             self.tracing.close(max(0.0, deadline - time.monotonic()))
-        for model, stages_stopped in zip(self.models, stopped, strict=True):
-            if stages_stopped:
-                model.handler.close()
-            else:
-                log.warning("shutdown: a stage thread of model %s is still busy (a handler call that does not "
-                            "return); its handler.close() is skipped", model.name)
+        self.models.close()
         if self._slot is not None:
             self._slot.close()
         if self.endpoints is not None:
             self.endpoints.close()
         log.info("stopped")
-
-    def _admit(self, requests: list[Request]) -> None:
-        """Admission of one poll's readable requests, by the handler of each one's model."""
-        if len(self.models) == 1:
-            admit(self.handler, requests)
-            return
-        by_model: dict[str, list[Request]] = {}
-        for request in requests:
-            by_model.setdefault(request.model.name, []).append(request)  # type: ignore[union-attr]
-        for name, some in by_model.items():
-            admit(self._by_name[name].handler, some)
-
-    def _route(self, request: Request) -> None:
-        if request.ok:
-            model = self._by_name[request.model.name]  # type: ignore[union-attr]
-            refusal = model.saturation()
-            if refusal is None:
-                model.batcher.put(request)  # type: ignore[union-attr]
-                return
-            request.fail(refusal)
-        self._reply_now(request)
-
-    def _discard(self, partitions: list[tuple[str, int]]) -> list[Request]:
-        """The requests of revoked partitions that no model has started on, out of every model's batcher."""
-        return [request for model in self.models
-                for request in model.batcher.discard(partitions)]  # type: ignore[union-attr]
-
-    def _reply_now(self, request: Request) -> None:
-        """Requests that will not be computed (bad record, expired deadline) go straight to replies."""
-        self.publisher.submit([request])  # type: ignore[union-attr]
 
     def __enter__(self) -> Service:
         return self.start()
@@ -459,13 +308,3 @@ class Service:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
-
-
-def _info_labels(described: dict[str, str]) -> dict[str, str]:
-    """A handler's description as ``kinference_model_info`` labels: its own ``model`` (the weights' name) becomes
-    ``weights``, since ``model`` is the served model's name there, as on every other metric."""
-    return {("weights" if key == "model" else key): value for key, value in described.items()}
-
-
-def _path(model: Path | None) -> Path | None:
-    return Path(model).expanduser() if model is not None else None

@@ -38,10 +38,11 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.intake import Intake, PartitionKey
+from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
 from kinference.consumer.source import ConsumerErrors, poll_until_closed
+from kinference.consumer.types import PartitionKey
 from kinference.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -164,14 +165,13 @@ class ShareSource:
     def __init__(
         self,
         config: ServiceConfig,
-        intake: Intake,
-        ledger: ShareLedger,
+        intake: Intake[ShareLedger],
         metrics: Metrics,
         consumer_factory: Callable[[dict[str, Any]], Any] | None = None,
     ) -> None:
         self._config = config
         self._intake = intake
-        self._ledger = ledger
+        self._ledger = intake.tracker
         self._metrics = metrics
         self.errors = ConsumerErrors(metrics, "share consumer")
         if consumer_factory is None:

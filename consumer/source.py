@@ -30,13 +30,13 @@ from typing import Any, Protocol
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from kinference.consumer.commit import OffsetTracker, PartitionKey
+from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.flow import FlowControl
 from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.rebalance import Rebalance
-from kinference.consumer.request import Request
+from kinference.consumer.types import PartitionKey
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,10 @@ def poll_until_closed(poll_once: Callable[[], None], closing: threading.Event, e
 class Committer(Protocol):
     """How answered offsets are committed: the checkpoint (``checkpoint.Checkpoint``)."""
 
+    @property
+    def in_flight(self) -> int:
+        """What flow control bounds."""
+
     def maybe_commit(self, consumer: Any, now: float) -> None: ...
 
     def commit(self, consumer: Any, partitions: list[PartitionKey] | None = None) -> None: ...
@@ -108,25 +112,20 @@ class Source:
     def __init__(
         self,
         config: ServiceConfig,
-        intake: Intake,
-        tracker: OffsetTracker,
-        discard: Callable[[list[PartitionKey]], list[Request]],
+        intake: Intake[OffsetTracker],
         committer: Committer,
-        in_flight: Callable[[], int],
         metrics: Metrics,
         consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
     ) -> None:
-        """``intake`` takes each poll's records in (tracked by ``tracker``); ``discard`` removes the not-yet-started
-        requests of partitions being revoked (the batcher's waiting room); ``in_flight`` is what flow control
-        bounds."""
+        """``intake`` takes each poll's records in, tracked by its commit ledger (``intake.tracker``);
+        ``committer`` commits what is answered of them, and its ``in_flight`` is what flow control bounds."""
         self._config = config
         self._intake = intake
-        self._tracker = tracker
+        self._tracker = intake.tracker
         self._committer = committer
-        self._in_flight = in_flight
         self.errors = ConsumerErrors(metrics, "consumer")
         self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics)
-        self.rebalance = Rebalance(tracker, self._flow, discard, committer.commit, metrics,
+        self.rebalance = Rebalance(self._tracker, self._flow, intake.discard, committer.commit, metrics,
                                    incremental=config.incremental_rebalancing,
                                    drain_s=config.rebalance_drain_ms / 1000)
         callbacks: dict[str, Any] = {"error_cb": self.errors.on_client, "stats_cb": self._on_stats}
@@ -187,7 +186,7 @@ class Source:
     def _poll_once(self) -> None:
         self._take_in(self._fetch())
         self._committer.maybe_commit(self._consumer, time.monotonic())
-        self._flow.update(self._consumer, self._in_flight())
+        self._flow.update(self._consumer, self._committer.in_flight)
         if self._flow.draining and self._flow.paused:
             self._paused_for_good.set()
 

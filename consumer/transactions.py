@@ -43,9 +43,10 @@ from typing import IO, Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from kinference.consumer.checkpoint import Abort
-from kinference.consumer.commit import OffsetTracker, PartitionKey, PartitionLedger
+from kinference.consumer.commit import OffsetTracker, PartitionLedger
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
+from kinference.consumer.types import PartitionKey
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,14 @@ class TransactionCheckpoint:
 
     @property
     def held(self) -> int:
+        """Finished requests waiting for their transaction."""
         return sum(len(requests) for requests in list(self._held.values()))
+
+    @property
+    def in_flight(self) -> int:
+        """The tracker's, and the held requests: the tracker counts them finished, but they are not answered until
+        their transaction commits."""
+        return self._tracker.in_flight + self.held
 
     # --- the publisher's side (the publisher thread)
 

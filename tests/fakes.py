@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -60,6 +61,30 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.01)
     return predicate()
+
+
+@dataclass
+class FakeModels:
+    """The intake's downstream (``intake.Downstream``, ``models.Models`` in the service): records what it is
+    handed; ``route`` runs ``on_route`` first (a test's stand-in for a routing bug)."""
+
+    admitted: list = field(default_factory=list)
+    routed: list = field(default_factory=list)
+    answered: list = field(default_factory=list)
+    on_route: Callable[[Any], None] = lambda request: None
+
+    def admit(self, requests: list) -> None:
+        self.admitted.extend(requests)
+
+    def route(self, request: Any) -> None:
+        self.on_route(request)
+        self.routed.append(request)
+
+    def answer_now(self, request: Any) -> None:
+        self.answered.append(request)
+
+    def discard(self, partitions: list) -> list:
+        return []
 
 
 class FakeMessage:

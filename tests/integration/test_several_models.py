@@ -31,7 +31,7 @@ def test_each_record_is_served_by_its_model_and_the_reply_says_which(broker):
                (b"old-version", b'{"n": 103}', [(protocol.MODEL, b"echo"), (protocol.MODEL_VERSION, b"0")])]
     with Service(config) as service:
         assert service.wait_ready(30)
-        assert [model.name for model in service.models] == ["echo", "tagged"]
+        assert [model.name for model in service.models.loaded] == ["echo", "tagged"]
         produce(broker.bootstrap_servers, topics["requests"], by_topic + named + unknown)
         produce(broker.bootstrap_servers, topics["tagged"], tagged + to_echo)
         replies = {m.key(): m for m in read(broker.bootstrap_servers, topics["replies"], 16)}

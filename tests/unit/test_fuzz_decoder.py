@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kinference import protocol
+from kinference.consumer import answers
 from kinference.consumer import request as requests
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
@@ -122,8 +123,8 @@ def test_decode_never_raises_and_every_outcome_encodes(producer, decoder, value,
         except TypeError as exc:  # e.g. nested deeper than orjson encodes
             request.fail(RequestError(str(exc), ErrorCode.HANDLER_ERROR))
 
-    reply_headers = requests.reply_headers(request, now=10.5)
-    reply = requests.reply_value(request)
+    reply_headers = answers.reply_headers(request, now=10.5)
+    reply = answers.reply_value(request)
     assert all(isinstance(name, str) and isinstance(raw, bytes) for name, raw in reply_headers)
     by_name = dict(reply_headers)
     assert by_name[protocol.STATUS] == (b"ok" if request.ok else b"error")
@@ -138,7 +139,7 @@ def test_decode_never_raises_and_every_outcome_encodes(producer, decoder, value,
     producer.produce("replies", reply, key, headers=reply_headers)
 
     if request.dead_letter:
-        letter_headers = requests.dead_letter_headers(request, request.error)
+        letter_headers = answers.dead_letter_headers(request, request.error)
         assert letter_headers[: len(request.headers)] == request.headers
         added = dict(letter_headers[len(request.headers):])
         assert added[protocol.ERROR_CODE] == str(request.error.code).encode()

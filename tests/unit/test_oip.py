@@ -16,7 +16,8 @@ import orjson
 import pytest
 
 from kinference.consumer import oip
-from kinference.consumer.request import RequestDecoder, reply_value
+from kinference.consumer.answers import reply_value
+from kinference.consumer.request import RequestDecoder
 from kinference.errors import RequestError
 from kinference.protocol import CORRELATION_ID, ErrorCode
 from tests.fakes import FakeRecord

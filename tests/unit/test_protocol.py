@@ -4,6 +4,7 @@ import orjson
 import pytest
 
 from kinference import protocol
+from kinference.consumer import answers
 from kinference.consumer import request as requests
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
@@ -35,7 +36,7 @@ def test_spring_headers():
     ]))
     assert request.ok and request.reply_topic == "spring-replies" and request.reply_partition == 3
     assert request.correlation_id == spring_id.hex()
-    headers = dict(requests.reply_headers(request, now=0.0))
+    headers = dict(answers.reply_headers(request, now=0.0))
     assert headers[protocol.SPRING_CORRELATION_ID] == spring_id
 
 
@@ -84,21 +85,21 @@ def test_reply_encoding_and_headers():
     request = DECODER.decode(FakeRecord(b"1", headers=[(protocol.CORRELATION_ID, b"c1")]))
     request.reply_value = protocol.encode_result({"embedding": [0.5]})
     request.received, request.dispatched, request.batch_size, request.inference_ms = 1.0, 1.5, 8, 12.5
-    headers = dict(requests.reply_headers(request, now=2.0))
-    assert orjson.loads(requests.reply_value(request)) == {"result": {"embedding": [0.5]}}
+    headers = dict(answers.reply_headers(request, now=2.0))
+    assert orjson.loads(answers.reply_value(request)) == {"result": {"embedding": [0.5]}}
     assert headers[protocol.STATUS] == b"ok" and headers[protocol.CORRELATION_ID] == b"c1"
     assert float(headers[protocol.QUEUE_MS]) == 500.0 and headers[protocol.BATCH_SIZE] == b"8"
     assert float(headers[protocol.SERVICE_MS]) == 1000.0 and float(headers[protocol.INFERENCE_MS]) == 12.5
 
     request.error = RequestError("too late", ErrorCode.DEADLINE_EXCEEDED)
-    assert orjson.loads(requests.reply_value(request)) == {
+    assert orjson.loads(answers.reply_value(request)) == {
         "error": {"code": "deadline_exceeded", "message": "too late"}}
-    assert dict(requests.reply_headers(request, now=2.0))[protocol.ERROR_CODE] == b"deadline_exceeded"
+    assert dict(answers.reply_headers(request, now=2.0))[protocol.ERROR_CODE] == b"deadline_exceeded"
 
 
 def test_dead_letter_headers_keep_originals_and_say_where_from():
     request = DECODER.decode(FakeRecord(b"{", headers=[("x-trace", b"t1")], topic="t", partition=1, offset=9))
-    headers = requests.dead_letter_headers(request, request.error)
+    headers = answers.dead_letter_headers(request, request.error)
     assert ("x-trace", b"t1") in headers
     as_dict = dict(headers)
     assert as_dict[protocol.ERROR_CODE] == b"bad_request"
@@ -171,7 +172,7 @@ def test_a_bad_record_asking_for_a_forbidden_topic_is_answered_on_the_default_to
 
 def test_an_ok_request_without_a_result_gets_an_internal_error_reply_not_a_crash():
     request = DECODER.decode(FakeRecord(b"1"))
-    value = orjson.loads(requests.reply_value(request))
+    value = orjson.loads(answers.reply_value(request))
     assert value["error"]["code"] == "internal_error" and request.error.code == ErrorCode.INTERNAL_ERROR
 
 

@@ -6,8 +6,9 @@ import orjson
 import pytest
 
 from kinference.consumer import oip
+from kinference.consumer.answers import reply_headers
 from kinference.consumer.config import load_config
-from kinference.consumer.request import RequestDecoder, reply_headers
+from kinference.consumer.request import RequestDecoder
 from kinference.consumer.router import ModelRoute, Router
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import MODEL, MODEL_VERSION, ErrorCode

@@ -11,8 +11,9 @@ import orjson
 import pytest
 from confluent_kafka.schema_registry import SchemaRegistryClient
 
+from kinference.consumer.answers import reply_headers, reply_value
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.request import RequestDecoder, reply_headers, reply_value
+from kinference.consumer.request import RequestDecoder
 from kinference.consumer.serdes import REPLY_NAME, SchemaRegistryFormat, embedding_bytes
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import REPLY_TO, ErrorCode

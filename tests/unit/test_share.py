@@ -15,7 +15,7 @@ from kinference.consumer.request import RequestDecoder
 from kinference.consumer.share import AcknowledgeType, ShareLedger, ShareSource
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import ErrorCode
-from tests.fakes import FakeRecord
+from tests.fakes import FakeModels, FakeRecord
 
 
 class Record(FakeRecord):
@@ -24,11 +24,10 @@ class Record(FakeRecord):
 
 
 def requests_of(ledger: ShareLedger, count: int) -> list:
-    taken: list = []
-    intake = Intake(RequestDecoder("replies", 1000), ledger, admit=lambda _: None, route=taken.append,
-                    reject=lambda _: None)
+    models = FakeModels()
+    intake = Intake(RequestDecoder("replies", 1000), ledger, models)
     intake.take([Record(b'{"n": %d}' % i, offset=i) for i in range(count)], on_error=lambda _: None)
-    return taken
+    return models.routed
 
 
 def test_answered_records_are_accepted_failed_ones_rejected_and_abandoned_ones_released():
@@ -105,10 +104,10 @@ class FakeShareConsumer:
 
 def test_the_poll_thread_fetches_again_only_once_the_last_fetch_is_acknowledged(monkeypatch):
     monkeypatch.setattr("kinference.consumer.share.set_share_group_start", lambda config: None)
-    ledger, routed = ShareLedger(), []
-    intake = Intake(RequestDecoder("replies", 1000), ledger, admit=lambda _: None, route=routed.append,
-                    reject=lambda _: None)
-    source = ShareSource(ServiceConfig(group_type="share", request_topics=["requests"]), intake, ledger, Metrics(),
+    ledger, models = ShareLedger(), FakeModels()
+    routed = models.routed
+    intake = Intake(RequestDecoder("replies", 1000), ledger, models)
+    source = ShareSource(ServiceConfig(group_type="share", request_topics=["requests"]), intake, Metrics(),
                          consumer_factory=FakeShareConsumer)
     consumer = source._consumer
     source.start()

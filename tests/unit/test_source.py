@@ -15,7 +15,7 @@ from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import RequestDecoder
 from kinference.consumer.source import Source
-from tests.fakes import FakeRecord
+from tests.fakes import FakeModels, FakeRecord
 
 
 class FakeConsumer:
@@ -81,6 +81,13 @@ class FakeConsumer:
 
 
 class Committer:
+    def __init__(self, tracker: OffsetTracker) -> None:
+        self._tracker = tracker
+
+    @property
+    def in_flight(self) -> int:
+        return self._tracker.in_flight
+
     def maybe_commit(self, consumer, now):
         pass
 
@@ -90,18 +97,16 @@ class Committer:
 
 def make_source(metrics: Metrics | None = None, **overrides: Any):
     config = ServiceConfig(request_topics=["requests"], **overrides)
-    tracker, routed, rejected = OffsetTracker(), [], []
+    tracker = OffsetTracker()
 
     def route(request):
         if request.payload == "explode":
             raise RuntimeError("routing bug")
-        routed.append(request)
 
-    admitted: list = []
-    intake = Intake(RequestDecoder("replies", 1000), tracker, admitted.extend, route, rejected.append)
-    source = Source(config, intake, tracker, lambda keys: [], Committer(), in_flight=lambda: tracker.in_flight,
-                    metrics=metrics or Metrics(), consumer_factory=FakeConsumer)
-    return source, source._consumer, tracker, routed, rejected
+    models = FakeModels(on_route=route)
+    intake = Intake(RequestDecoder("replies", 1000), tracker, models)
+    source = Source(config, intake, Committer(tracker), metrics or Metrics(), consumer_factory=FakeConsumer)
+    return source, source._consumer, tracker, models.routed, models.answered
 
 
 def tp(partition: int) -> TopicPartition:

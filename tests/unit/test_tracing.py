@@ -15,8 +15,9 @@ pytest.importorskip("opentelemetry.sdk")
 
 from opentelemetry.trace import SpanKind, StatusCode
 
+from kinference.consumer.answers import reply_headers
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.request import RequestDecoder, reply_headers
+from kinference.consumer.request import RequestDecoder
 from kinference.consumer.service import Service
 from kinference.consumer.stages import Pipeline
 from kinference.consumer.tracing import (

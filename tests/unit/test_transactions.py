@@ -27,10 +27,15 @@ def fatal(code=KafkaError._FENCED):
     return KafkaException(KafkaError(code, "fenced", fatal=True))
 
 
-def publisher_with(tracker: OffsetTracker, failures=None, **options) -> tuple[Publisher, FakeProducer]:
+def new_checkpoint(tracker: OffsetTracker) -> TransactionCheckpoint:
+    return TransactionCheckpoint(tracker, group_metadata=lambda: "generation-1", metrics=Metrics(),
+                                 commit_interval_s=0.05)
+
+
+def publisher_with(tracker: OffsetTracker, failures=None, checkpoint: TransactionCheckpoint | None = None,
+                   **options) -> tuple[Publisher, FakeProducer]:
     """A started publisher with the exactly-once checkpoint, and its fake producer (``FakeProducer``'s options)."""
-    checkpoint = TransactionCheckpoint(tracker, group_metadata=lambda: "generation-1", metrics=Metrics(),
-                                       commit_interval_s=0.05)
+    checkpoint = checkpoint or new_checkpoint(tracker)
     FakeProducer.instances.clear()
     publisher = Publisher({"transactional.id": "tid"}, "dead", checkpoint, queue_size=100, metrics=Metrics(),
                           producer_factory=lambda config: FakeProducer(config, failures=failures, **options))
@@ -55,17 +60,19 @@ def new_tracker():
 
 def test_replies_and_their_offsets_commit_together_in_offset_runs():
     tracker = new_tracker()
-    publisher, producer = publisher_with(tracker)
+    checkpoint = new_checkpoint(tracker)
+    publisher, producer = publisher_with(tracker, checkpoint=checkpoint)
     first, second, third = (tracked(tracker, offset) for offset in (0, 1, 2))
     publisher.submit([third, first])  # 1 missing: only offset 0 can commit
     assert wait_for(lambda: producer.committed)
     assert producer.committed[0][1] == [("requests", 0, 1)] and len(producer.committed[0][0]) == 1
-    assert publisher.held == 1  # third waits for second, and counts towards backpressure
+    # third waits for second, and counts towards backpressure with it
+    assert checkpoint.held == 1 and checkpoint.in_flight == 2
     publisher.submit([second])
     assert wait_for(lambda: len(producer.committed) == 2)
     assert producer.committed[1][1] == [("requests", 0, 3)] and len(producer.committed[1][0]) == 2
     publisher.stop(5)
-    assert publisher.held == 0 and publisher.failure is None
+    assert checkpoint.in_flight == 0 and publisher.failure is None
 
 
 def test_a_retriable_commit_error_repeats_the_same_call_and_never_aborts():

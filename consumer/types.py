@@ -1,0 +1,39 @@
+"""The small types every stage shares: a record's headers, a partition's key, and the two things a ``Request``
+carries for its answer (how its reply value is written, and its span). Here, not in ``request``, so that the
+modules that implement them (``oip``, ``serdes``, ``tracing``) and those that read them (``answers``) need nothing
+of each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kinference.protocol import ErrorCode
+
+Headers = list[tuple[str, bytes]]
+"""A Kafka record's headers, as confluent-kafka hands them over and takes them."""
+
+PartitionKey = tuple[str, int]
+"""(topic, partition)."""
+
+
+class ReplyFormat(Protocol):
+    """A reply value format other than kinference's JSON (``protocol.encode_result``/``encode_error``): an Open
+    Inference Protocol ``InferenceResponse`` (``oip.OipCall``), or a Schema Registry record (``serdes.SchemaReply``)."""
+
+    def response(self, result: Any) -> bytes:
+        """The reply value of a result; ``RequestError`` when the result cannot be written so."""
+
+    def error(self, code: ErrorCode, message: str) -> bytes:
+        """The reply value of a failed request."""
+
+    @property
+    def value_headers(self) -> Headers | tuple[()]:
+        """Headers the last value written needs beside it (a Schema Registry schema id); mostly none."""
+
+
+class Trace(Protocol):
+    """A request's span (``tracing.RequestTrace``), as its answer sees it."""
+
+    def context_headers(self) -> Headers:
+        """The trace context headers that carry the caller's trace on from the request's span."""
