@@ -27,6 +27,8 @@ from kinference import __version__
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+UNSERVED_LABEL = "none"
+"""The ``model`` label of a request that no model served (unreadable, or naming a model not served here)."""
 
 
 class Metrics:

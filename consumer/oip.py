@@ -147,6 +147,16 @@ def request_id(key: bytes | None, body: dict[str, Any], fallback: str) -> str:
     return given if isinstance(given, str) and given else fallback
 
 
+def _check_elements(flat: list[Any], datatype: str, where: str) -> None:
+    """Every element is of the input's datatype: strings for BYTES, booleans for BOOL, numbers otherwise."""
+    if datatype == "BYTES":
+        if not all(isinstance(v, str) for v in flat):
+            raise RequestError(f"{where}: BYTES data must be strings", ErrorCode.BAD_REQUEST)
+    elif not all(isinstance(v, int | float) and (datatype == "BOOL") == isinstance(v, bool) for v in flat):
+        raise RequestError(f"{where}: {datatype} data must be {'booleans' if datatype == 'BOOL' else 'numbers'}",
+                           ErrorCode.BAD_REQUEST)
+
+
 def _input(item: Any, request_bytes: int) -> tuple[str, Any, bytes | None]:
     """(name, value without the batch dimension, raw bytes of a one-element BYTES input) of one input tensor.
 
@@ -174,12 +184,7 @@ def _input(item: Any, request_bytes: int) -> tuple[str, Any, bytes | None]:
     if len(flat) != math.prod(shape):
         raise RequestError(f"{where}: shape {shape} holds {math.prod(shape)} elements, data has {len(flat)}",
                            ErrorCode.BAD_REQUEST)
-    if datatype == "BYTES":
-        if not all(isinstance(v, str) for v in flat):
-            raise RequestError(f"{where}: BYTES data must be strings", ErrorCode.BAD_REQUEST)
-    elif not all(isinstance(v, int | float) and (datatype == "BOOL") == isinstance(v, bool) for v in flat):
-        raise RequestError(f"{where}: {datatype} data must be {'booleans' if datatype == 'BOOL' else 'numbers'}",
-                           ErrorCode.BAD_REQUEST)
+    _check_elements(flat, datatype, where)
     value = flat[0] if len(flat) == 1 else np.asarray(flat, dtype=object).reshape(shape[1:]).tolist()
     raw = None
     if datatype == "BYTES" and len(flat) == 1:

@@ -46,6 +46,7 @@ import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -53,10 +54,10 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from kinference.consumer.answers import Delivery, Refusal, ReplyPartitions, answer, classify, replacement
 from kinference.consumer.checkpoint import Abort, Checkpoint, Transaction
+from kinference.consumer.config import ServiceConfig
 from kinference.consumer.logs import about
-from kinference.consumer.metrics import Metrics, observe_many
+from kinference.consumer.metrics import UNSERVED_LABEL, Metrics, observe_many
 from kinference.consumer.request import Request
-from kinference.consumer.router import NO_MODEL
 
 if TYPE_CHECKING:
     from kinference.consumer.tracing import Tracing
@@ -83,7 +84,7 @@ def observe(metrics: Metrics, requests: list[Request], now: float) -> None:
     outcomes: Tally[tuple[str, str, str]] = Tally()
     waits: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
     for request in requests:
-        model = request.model.name if request.model is not None else NO_MODEL
+        model = request.model.name if request.model is not None else UNSERVED_LABEL
         outcomes[model, request.topic, "ok" if request.error is None else str(request.error.code)] += 1
         lists = waits.get((model, request.topic))
         if lists is None:
@@ -99,17 +100,34 @@ def observe(metrics: Metrics, requests: list[Request], now: float) -> None:
         observe_many(metrics.labelled(metrics.queue_wait, *labels), queued)
 
 
+@dataclass(frozen=True)
+class PublishSettings:
+    """The publisher's part of the service's settings."""
+
+    dead_letter_topic: str
+    queue_size: int
+    """The most batches of finished requests waiting for the publisher thread."""
+    delivery_retry_timeout_s: float = 600.0
+    """How long a record refused for a passing reason is produced again."""
+    stall_timeout_s: float = 330.0
+    """No successful delivery for this long, with records outstanding: the producer is replaced (or the service
+    stops)."""
+
+    @classmethod
+    def of(cls, config: ServiceConfig) -> PublishSettings:
+        # Everything in flight fits in the queue, so the poll thread never waits on it.
+        return cls(config.dead_letter_topic, config.max_in_flight + config.max_poll_records,
+                   config.delivery_retry_timeout_s, config.stall_timeout_s)
+
+
 class Publisher:
     def __init__(
         self,
         producer_config: dict[str, str],
-        dead_letter_topic: str,
         checkpoint: Checkpoint,
-        queue_size: int,
+        settings: PublishSettings,
         metrics: Metrics,
         *,
-        delivery_retry_timeout_s: float = 600.0,
-        stall_timeout_s: float = 330.0,
         producer_factory: Callable[[dict[str, Any]], Any] = Producer,
         tracing: Tracing | None = None,
     ) -> None:
@@ -117,14 +135,14 @@ class Publisher:
         ends each request's span once the request is answered."""
         self._metrics = metrics
         self._tracing = tracing
-        self._dead_letter_topic = dead_letter_topic
+        self._dead_letter_topic = settings.dead_letter_topic
         self._checkpoint = checkpoint
-        self._inbox: queue.Queue[list[Request]] = queue.Queue(maxsize=queue_size)
+        self._inbox: queue.Queue[list[Request]] = queue.Queue(maxsize=settings.queue_size)
         self._new_producer = partial(producer_factory, {**producer_config, "error_cb": self._on_client_error})
         self._producer = self._new_producer()
         self._reply_partitions = ReplyPartitions(self._partitions)
-        self._retry_timeout_s = delivery_retry_timeout_s
-        self._stall_timeout_s = stall_timeout_s
+        self._retry_timeout_s = settings.delivery_retry_timeout_s
+        self._stall_timeout_s = settings.stall_timeout_s
         self._epoch = 0
         """Moves on when a producer is replaced or a transaction aborts: reports of records produced before are
         stale."""

@@ -187,23 +187,7 @@ class RequestDecoder:
             raise
 
     def _read_headers(self, request: Request) -> None:
-        problems = []
-        for name, raw in request.headers:
-            if raw is None:
-                continue
-            try:
-                if name == CORRELATION_ID:
-                    request.correlation_id = _text(raw, name)
-                elif name == SPRING_CORRELATION_ID:
-                    request.spring_correlation_id = raw or None
-                elif name in (REPLY_TO, SPRING_REPLY_TOPIC):
-                    request.reply_topic = _topic(raw, name)
-                elif name == SPRING_REPLY_PARTITION:
-                    request.reply_partition = _partition(raw)
-                elif name == DEADLINE_MS:
-                    request.deadline_ms = _deadline(raw)
-            except RequestError as exc:
-                problems.append(str(exc))
+        problems = _read_routing(request)
         if request.spring_correlation_id is not None and not _has_header(request.headers, CORRELATION_ID):
             request.correlation_id = request.spring_correlation_id.hex()
         if request.reply_topic != self.default_reply_topic and not self.reply_topic_allowed(request.reply_topic):
@@ -267,6 +251,29 @@ def nested_within(document: Any, limit: int) -> bool:
         children = value.values() if isinstance(value, dict) else value
         pending.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
     return True
+
+
+def _read_routing(request: Request) -> list[str]:
+    """Set the request's correlation, reply route and deadline from its headers; what could not be read, in words.
+    Every header is read whatever the others hold, so that an error reply still finds its caller."""
+    problems = []
+    for name, raw in request.headers:
+        if raw is None:
+            continue
+        try:
+            if name == CORRELATION_ID:
+                request.correlation_id = _text(raw, name)
+            elif name == SPRING_CORRELATION_ID:
+                request.spring_correlation_id = raw or None
+            elif name in (REPLY_TO, SPRING_REPLY_TOPIC):
+                request.reply_topic = _topic(raw, name)
+            elif name == SPRING_REPLY_PARTITION:
+                request.reply_partition = _partition(raw)
+            elif name == DEADLINE_MS:
+                request.deadline_ms = _deadline(raw)
+        except RequestError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _timestamp(record: Any) -> float | None:

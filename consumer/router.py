@@ -22,9 +22,6 @@ from kinference.consumer import oip
 from kinference.errors import RequestError
 from kinference.protocol import MODEL, MODEL_VERSION, ErrorCode, PayloadFormat
 
-NO_MODEL = "none"
-"""The ``model`` metric label of a request that no model served (unreadable, or naming an unknown model)."""
-
 
 @dataclass(frozen=True, slots=True)
 class ModelRoute:

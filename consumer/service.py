@@ -31,7 +31,7 @@ from kinference.consumer.intake import Intake
 from kinference.consumer.lag import LagMonitor
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.models import Models
-from kinference.consumer.publisher import Publisher
+from kinference.consumer.publisher import Publisher, PublishSettings
 from kinference.consumer.request import RequestDecoder
 from kinference.consumer.share import ShareLedger, ShareSource
 from kinference.consumer.source import Source
@@ -163,17 +163,8 @@ class Service:
         else:
             # A share group's ledger takes the acknowledged requests too; its source acknowledges them itself.
             checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, config.commit_interval_ms / 1000)
-        self.publisher = publisher = Publisher(
-            producer_config,
-            config.dead_letter_topic,
-            checkpoint,
-            # Everything in flight fits in the publisher's queue, so the poll thread never waits on it.
-            queue_size=config.max_in_flight + config.max_poll_records,
-            metrics=self.metrics,
-            delivery_retry_timeout_s=config.delivery_retry_timeout_s,
-            stall_timeout_s=config.stall_timeout_s,
-            tracing=self.tracing,
-        )
+        self.publisher = publisher = Publisher(producer_config, checkpoint, PublishSettings.of(config), self.metrics,
+                                               tracing=self.tracing)
         router = self.models.build(publisher.submit, self.metrics, self.tracing)
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),

@@ -61,28 +61,44 @@ def finite(value: Any) -> bool:
     seen: set[int] = set()
     while pending:
         value, depth = pending.pop()
-        if isinstance(value, float):
-            if not math.isfinite(value):
+        if not isinstance(value, dict | list | tuple):
+            if not _scalar_finite(value):
                 return False
-        elif isinstance(value, dict | list | tuple):
-            if depth >= MAX_RESULT_DEPTH:
-                raise RequestError(f"result is nested deeper than {MAX_RESULT_DEPTH} levels", ErrorCode.HANDLER_ERROR)
-            if id(value) in seen:
-                continue
-            seen.add(id(value))
-            items = value.values() if isinstance(value, dict) else value
-            if not isinstance(value, dict) and value and isinstance(value[0], float):
-                try:
-                    if not all(map(math.isfinite, value)):  # fast path: a vector of floats
-                        return False
-                    continue
-                except TypeError:
-                    pass  # mixed contents: check item by item
-            pending.extend((item, depth + 1) for item in items)
-        elif (isinstance(value, np.ndarray | np.floating) and value.dtype.kind in "fc"
-              and not np.isfinite(value).all()):
+            continue
+        if depth >= MAX_RESULT_DEPTH:
+            raise RequestError(f"result is nested deeper than {MAX_RESULT_DEPTH} levels", ErrorCode.HANDLER_ERROR)
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, dict):
+            pending.extend((item, depth + 1) for item in value.values())
+            continue
+        floats_finite = _floats_finite(value)
+        if floats_finite is False:
             return False
+        if floats_finite is None:
+            pending.extend((item, depth + 1) for item in value)
     return True
+
+
+def _scalar_finite(value: Any) -> bool:
+    """A float, or a numpy array or scalar of floats or complex numbers, holds no NaN or infinity."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, np.ndarray | np.floating) and value.dtype.kind in "fc":
+        return bool(np.isfinite(value).all())
+    return True
+
+
+def _floats_finite(values: list[Any] | tuple[Any, ...]) -> bool | None:
+    """The fast path for a vector of floats: whether all are finite; None when it is not all numbers (then each
+    item is checked on its own)."""
+    if not values or not isinstance(values[0], float):
+        return None
+    try:
+        return all(map(math.isfinite, values))
+    except TypeError:
+        return None
 
 
 class BatchTicket:

@@ -6,8 +6,8 @@ supervisor (gunicorn's arbiter, cut down to what a Kafka consumer needs).
 - SIGTERM and SIGINT are forwarded to every worker, which shuts down as a single process does (within
   ``shutdown_grace_s``); a worker still running ``_KILL_MARGIN_S`` after that is killed.
 - A worker that exits on its own is restarted, after a backoff that doubles with each quick death (from
-  ``_BACKOFF_S[0]`` to ``_BACKOFF_S[1]``). A worker that died ``_QUICK_DEATHS`` times in a row, each within
-  ``_STABLE_S`` of its start, will not get better by itself: the supervisor stops the others and exits 1, so
+  ``Restarts.backoff_s``). A worker that died ``Restarts.quick_deaths`` times in a row, each within
+  ``Restarts.stable_s`` of its start, will not get better by itself: the supervisor stops the others and exits 1, so
   that the orchestrator sees it.
 - One ``/metrics`` for the host: the workers' prometheus_client runs in multiprocess mode (each writes its
   metrics under ``PROMETHEUS_MULTIPROC_DIR``) and the supervisor's registry reads them with
@@ -39,12 +39,19 @@ import orjson
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.2
-_BACKOFF_S = (1.0, 30.0)
-"""First and longest wait before a dead worker is started again."""
-_STABLE_S = 60.0
-"""A worker that ran this long before dying died of something passing: its backoff starts over."""
-_QUICK_DEATHS = 5
-"""Quick deaths in a row of one worker after which the supervisor gives up (exit 1)."""
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """When a dead worker is started again, and when the supervisor gives up."""
+
+    backoff_s: tuple[float, float] = (1.0, 30.0)
+    """First and longest wait before a dead worker is started again."""
+    stable_s: float = 60.0
+    """A worker that ran this long before dying died of something passing: its backoff starts over."""
+    quick_deaths: int = 5
+    """Quick deaths in a row of one worker after which the supervisor gives up (exit 1)."""
+
 _KILL_MARGIN_S = 5.0
 """After a forwarded signal, how long past ``shutdown_grace_s`` a worker may take before it is killed."""
 _REPORT_S = 1.0
@@ -126,15 +133,12 @@ class Supervisor:
 
     def __init__(self, workers: int, command: Callable[[Path], list[str]], *, grace_s: float,
                  metrics_dir: Path | None = None, env: dict[str, str] | None = None,
-                 backoff_s: tuple[float, float] = _BACKOFF_S, stable_s: float = _STABLE_S,
-                 quick_deaths: int = _QUICK_DEATHS) -> None:
+                 restarts: Restarts = Restarts()) -> None:
         """``command(report_path)`` is a worker's argv. ``metrics_dir``: ``PROMETHEUS_MULTIPROC_DIR`` for the workers
         (emptied first; default: a temporary directory, removed at the end)."""
         self._command = command
         self._grace_s = grace_s
-        self._backoff_s = backoff_s
-        self._stable_s = stable_s
-        self._quick_deaths = quick_deaths
+        self._restarts = restarts
         self._own_dir = metrics_dir is None
         self.metrics_dir = Path(metrics_dir or tempfile.mkdtemp(prefix="kinference-metrics-"))
         self._reports = Path(tempfile.mkdtemp(prefix="kinference-workers-"))
@@ -259,12 +263,12 @@ class Supervisor:
             if process is None or code is None:
                 continue
             self._reaped(worker, process)
-            worker.quick_deaths = worker.quick_deaths + 1 if now - worker.started < self._stable_s else 1
-            if worker.quick_deaths >= self._quick_deaths:
+            worker.quick_deaths = worker.quick_deaths + 1 if now - worker.started < self._restarts.stable_s else 1
+            if worker.quick_deaths >= self._restarts.quick_deaths:
                 log.critical("%s died %d times in a row within %.0f s of its start (last exit code %d); stopping "
-                             "(exit code 1)", worker.name, worker.quick_deaths, self._stable_s, code)
+                             "(exit code 1)", worker.name, worker.quick_deaths, self._restarts.stable_s, code)
                 return False
-            backoff = min(self._backoff_s[1], self._backoff_s[0] * 2 ** (worker.quick_deaths - 1))
+            backoff = min(self._restarts.backoff_s[1], self._restarts.backoff_s[0] * 2 ** (worker.quick_deaths - 1))
             worker.restart_at = now + backoff
             log.error("%s (pid %d) exited with code %d; starting it again in %.1f s", worker.name, process.pid, code,
                       backoff)

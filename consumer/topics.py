@@ -17,9 +17,6 @@ from kinference.errors import BrokerError
 
 log = logging.getLogger(__name__)
 
-BROKER_DEFAULT = -1
-"""``replication_factor`` that lets the broker choose (``default.replication.factor``; Kafka >= 2.4)."""
-
 KAFKA_MESSAGE_MAX_BYTES = 1_048_588
 """Apache Kafka's default ``message.max.bytes``: a topic's ``max.message.bytes`` when nothing sets it."""
 

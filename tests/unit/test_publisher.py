@@ -11,7 +11,7 @@ from confluent_kafka import KafkaError, TopicPartition
 
 from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
 from kinference.consumer.metrics import Metrics
-from kinference.consumer.publisher import Publisher
+from kinference.consumer.publisher import Publisher, PublishSettings
 from kinference.consumer.transactions import TransactionCheckpoint
 from kinference.errors import RequestError
 from kinference.protocol import ERROR_CODE, ErrorCode, encode_result
@@ -38,8 +38,8 @@ class Harness:
             checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, interval_s=1.0)
             config = {}
         factories = iter(producers)
-        self.publisher = Publisher(config, "dead", checkpoint, queue_size=100, metrics=self.metrics,
-                                   producer_factory=lambda c: next(factories)(c), **options)
+        self.publisher = Publisher(config, checkpoint, PublishSettings("dead", queue_size=100, **options), self.metrics,
+                                   producer_factory=lambda c: next(factories)(c))
         self.publisher.start()
 
     def request(self, offset: int, result=None, **fields):

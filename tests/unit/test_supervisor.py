@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kinference.consumer.endpoints import Endpoints
-from kinference.consumer.supervisor import Supervisor
+from kinference.consumer.supervisor import Restarts, Supervisor
 from tests.fakes import wait_for
 
 # A worker that reports what its argv says and runs until SIGTERM (exit 0) or SIGINT (exit 5).
@@ -34,7 +34,7 @@ while True:
 
 def test_a_worker_that_keeps_dying_stops_the_supervisor_with_exit_code_1(tmp_path: Path):
     supervisor = Supervisor(2, lambda report: [sys.executable, "-c", "import sys; sys.exit(3)"], grace_s=1,
-                            metrics_dir=tmp_path, backoff_s=(0.01, 0.05), quick_deaths=3)
+                            metrics_dir=tmp_path, restarts=Restarts(backoff_s=(0.01, 0.05), quick_deaths=3))
     assert supervisor.run() == 1
     assert max(worker.restarts for worker in supervisor.workers) == 2  # started 3 times, then given up on
     # The worker given up on exited 3 each time; the other may have been stopped first (the supervisor then stops
@@ -80,7 +80,8 @@ def test_a_worker_that_died_is_started_again(tmp_path: Path):
                   "if not p.exists():\n    p.touch(); sys.exit(1)\n")
         return [sys.executable, "-c", script + _WORKER, str(report), "healthy"]
 
-    supervisor = Supervisor(1, command, grace_s=5, metrics_dir=tmp_path / "metrics", backoff_s=(0.05, 0.1))
+    supervisor = Supervisor(1, command, grace_s=5, metrics_dir=tmp_path / "metrics",
+                            restarts=Restarts(backoff_s=(0.05, 0.1)))
     runner = threading.Thread(target=supervisor.run)
     runner.start()
     try:

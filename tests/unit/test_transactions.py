@@ -7,7 +7,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.metrics import Metrics
-from kinference.consumer.publisher import Publisher
+from kinference.consumer.publisher import Publisher, PublishSettings
 from kinference.consumer.transactions import ABORTS_BEFORE_UNHEALTHY, MemberSlot, TransactionCheckpoint
 from kinference.protocol import encode_result
 from tests.fakes import FakeProducer, make_request, wait_for
@@ -37,7 +37,7 @@ def publisher_with(tracker: OffsetTracker, failures=None, checkpoint: Transactio
     """A started publisher with the exactly-once checkpoint, and its fake producer (``FakeProducer``'s options)."""
     checkpoint = checkpoint or new_checkpoint(tracker)
     FakeProducer.instances.clear()
-    publisher = Publisher({"transactional.id": "tid"}, "dead", checkpoint, queue_size=100, metrics=Metrics(),
+    publisher = Publisher({"transactional.id": "tid"}, checkpoint, PublishSettings("dead", queue_size=100), Metrics(),
                           producer_factory=lambda config: FakeProducer(config, failures=failures, **options))
     publisher.start()
     assert wait_for(lambda: FakeProducer.instances)
