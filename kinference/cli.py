@@ -36,11 +36,11 @@ COMMANDS = {
     "loadgen": Command("kinference.loadgen.cli", "loadgen", "drive load at a running service and report"),
     "demo": Command("kinference.loadgen.demo", "serve,loadgen,embedded",
                     "broker + service + bundled model + load sweep, one command"),
-    "bench": Command("kinference.loadgen.bench", "serve,loadgen,embedded",
+    "bench": Command("kinference.loadgen.bench.bench", "serve,loadgen,embedded",
                      "every scenario side by side on one embedded broker"),
-    "drain": Command("kinference.loadgen.drain", "serve,loadgen,embedded",
+    "drain": Command("kinference.loadgen.bench.drain", "serve,loadgen,embedded",
                      "how fast each contender drains a backlog, and where its time goes"),
-    "cpu-paths": Command("kinference.loadgen.cpu_paths", "serve,loadgen,embedded,onnx",
+    "cpu-paths": Command("kinference.loadgen.bench.cpu_paths", "serve,loadgen,embedded,onnx",
                          "the embedding handler's CPU options side by side: speed and cosine to float32"),
 }
 

@@ -6,6 +6,7 @@
 - ``runner``   closed- and open-loop load and concurrency sweeps on one event loop,
 - ``report``   per-request samples -> the JSON report; ``tables`` and ``plot`` show it,
 - ``cli``      ``kinference loadgen``; ``demo`` the one-command demo (``kinference demo``).
+- ``bench``    the benchmarks that drive it (``kinference bench``, ``drain``, ``cpu-paths``), a subpackage.
 """
 
 from kinference.loadgen.client import Client

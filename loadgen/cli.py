@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,21 +85,34 @@ def main(argv: list[str]) -> int:
                     reply_partition=args.reply_partition, timeout_s=plan.timeout_s, kafka=kafka)
     try:
         with client:
-            execute(client, plan, payloads, console, sweep=args.sweep_concurrency, out=args.out,
-                    plot=args.plot, label=args.label, compare=compare, progress=not args.no_progress)
+            execute(client, plan, payloads, console,
+                    Reporting(label=args.label, progress=not args.no_progress, out=args.out, plot=args.plot,
+                              compare=compare), sweep=args.sweep_concurrency)
     except ClientError as exc:
         console.print(f"[red]kinference loadgen: {exc}[/red]")
         return 1
     return 0
 
 
-def execute(client: Client, plan: LoadPlan, payloads: Sequence[Any], console: Console, *,
-            sweep: Sequence[int] | None = None, out: Path | None = None, plot: Path | None = None,
-            label: str = "kinference", compare: Sequence[tuple[str, list[dict[str, Any]]]] = (),
-            progress: bool = True) -> dict[str, Any]:
-    """Run the load (or the sweep), print the report, write ``out`` and ``plot``; return the report."""
+@dataclass(frozen=True)
+class Reporting:
+    """How a run is shown and kept: its label, live progress, and the files written (``out``: the JSON report)."""
+
+    label: str = "kinference"
+    progress: bool = True
+    out: Path | None = None
+    plot: Path | None = None
+    compare: Sequence[tuple[str, list[dict[str, Any]]]] = ()
+    """Other sweeps (label, runs) drawn beside this one on the plot."""
+
+
+def execute(client: Client, plan: LoadPlan, payloads: Sequence[Any], console: Console, reporting: Reporting, *,
+            sweep: Sequence[int] | None = None) -> dict[str, Any]:
+    """Run the load (or the sweep), print the report, write ``reporting``'s ``out`` and ``plot``; return the
+    report."""
+    label, out, plot = reporting.label, reporting.out, reporting.plot
     header = {"label": label, "request_topic": client.request_topic, "reply_topic": client.reply_topic}
-    with ProgressView(console, enabled=progress) as view:
+    with ProgressView(console, enabled=reporting.progress) as view:
         if sweep:
             results = asyncio.run(run_sweep(client, plan, sweep, payloads, view))
         else:
@@ -108,7 +122,7 @@ def execute(client: Client, plan: LoadPlan, payloads: Sequence[Any], console: Co
                                   "runs": [result.report() for result in results]}
         console.print(sweep_table(report["runs"]))
         if plot:
-            plot_sweep([(label, report["runs"]), *compare], plot)
+            plot_sweep([(label, report["runs"]), *reporting.compare], plot)
     else:
         report = {**header, **results[0].report()}
         console.print(run_table(report))

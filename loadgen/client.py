@@ -72,7 +72,7 @@ class Client:
     ``fetch.wait.max.ms=10``, see ``kinference.consumer.broker.LOW_LATENCY_CONSUMER``).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - public API (docs/client.md): keyword-only options, each with a default
         self,
         bootstrap_servers: str,
         request_topic: str,

@@ -15,7 +15,7 @@ from kinference.consumer.config import ServiceConfig
 from kinference.consumer.service import Service
 from kinference.consumer.topics import create_topics
 from kinference.errors import KinferenceError
-from kinference.loadgen.cli import concurrency_list, execute
+from kinference.loadgen.cli import Reporting, concurrency_list, execute
 from kinference.loadgen.client import Client
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
 from kinference.loadgen.runner import LoadPlan
@@ -92,6 +92,7 @@ def _run(args: argparse.Namespace, output_dir: Path, console: Console, began: fl
             with Client(broker.bootstrap_servers, "kinference-requests", "kinference-replies",
                         timeout_s=plan.timeout_s, reply_consumer=LOW_LATENCY_CONSUMER) as client:
                 step(f"sweeping concurrency {sweep}: {args.warmup:g} s warm-up + {args.duration:g} s each")
-                execute(client, plan, builtin_corpus(args.corpus), console, sweep=sweep, out=output_dir / "sweep.json",
-                        plot=output_dir / "sweep.png", label=label, progress=not args.no_progress)
+                execute(client, plan, builtin_corpus(args.corpus), console,
+                        Reporting(label=label, progress=not args.no_progress, out=output_dir / "sweep.json",
+                                  plot=output_dir / "sweep.png"), sweep=sweep)
             step("stopping the service and the broker")

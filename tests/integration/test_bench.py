@@ -12,8 +12,8 @@ import pytest
 
 from kinference.consumer.config import ServiceConfig
 from kinference.errors import KinferenceError
-from kinference.loadgen import bench
-from kinference.loadgen.contender import contender
+from kinference.loadgen.bench import bench
+from kinference.loadgen.bench.contender import contender
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.model]
 

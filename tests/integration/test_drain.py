@@ -8,7 +8,7 @@ import pytest
 
 from kinference.consumer.apache_kafka import broker_jars
 from kinference.errors import BrokerError
-from kinference.loadgen import drain
+from kinference.loadgen.bench import drain
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

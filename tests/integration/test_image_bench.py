@@ -8,7 +8,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from kinference.loadgen import bench
+from kinference.loadgen.bench import bench
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

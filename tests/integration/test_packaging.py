@@ -72,7 +72,8 @@ def test_the_wheel_holds_one_top_level_package_and_declares_its_extras(wheel: Pa
         entry_points = archive.read(f"kinference-{kinference.__version__}.dist-info/entry_points.txt").decode()
     assert {name.split("/")[0] for name in names} == {"kinference", f"kinference-{kinference.__version__}.dist-info"}
     for module in ("kinference/__init__.py", "kinference/protocol.py", "kinference/consumer/service.py",
-                   "kinference/handlers/base.py", "kinference/loadgen/client.py"):
+                   "kinference/handlers/base.py", "kinference/loadgen/client.py",
+                   "kinference/loadgen/bench/bench.py"):
         assert module in names
     assert f"kinference-{kinference.__version__}.dist-info/licenses/LICENSE" in names
     assert "kinference = kinference.cli:main" in entry_points

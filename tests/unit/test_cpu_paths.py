@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kinference.loadgen import cpu_paths
+from kinference.loadgen.bench import cpu_paths
 
 
 @pytest.mark.model

@@ -95,11 +95,12 @@ NOT_OURS = {"--build-arg", "--scale", "--index-url", "--gpus", "--wait", "--rm",
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """Every kinference command's real parser, by the words that follow ``kinference``."""
     from kinference.consumer.cli import build_parser as service
-    from kinference.loadgen import bench, cpu_paths, demo, drain, image_bench
+    from kinference.loadgen import demo
+    from kinference.loadgen.bench import bench, cpu_paths, drain, image
     from kinference.loadgen.cli import build_parser as loadgen
 
     found = {"loadgen": loadgen(), "demo": demo.build_parser(), "bench": bench.build_parser(),
-             "bench image": image_bench.build_parser(), "drain": drain.build_parser(),
+             "bench image": image.build_parser(), "drain": drain.build_parser(),
              "cpu-paths": cpu_paths.build_parser()}
     (commands,) = [action for action in service()._actions if isinstance(action, argparse._SubParsersAction)]
     found |= dict(commands.choices)

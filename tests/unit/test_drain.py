@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kinference.loadgen.drain import Profile, evaluate_targets, markdown, read_raw_profile, sim_name, stage_of
+from kinference.loadgen.bench.drain import Profile, evaluate_targets, markdown, read_raw_profile, sim_name, stage_of
 
 ROOT = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982)"
 

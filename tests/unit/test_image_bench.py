@@ -8,7 +8,7 @@ import os
 import pytest
 from PIL import Image
 
-from kinference.loadgen import image_bench
+from kinference.loadgen.bench import image as image_bench
 
 
 def test_the_corpus_cycles_through_every_size_and_is_reproducible():

@@ -21,8 +21,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from kinference.loadgen.bench.outputs import add_report_arguments, write_reports
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
-from kinference.loadgen.outputs import add_report_arguments, write_reports
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "torch": {},

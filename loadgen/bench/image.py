@@ -61,23 +61,15 @@ from torch import nn
 
 from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
 from kinference.consumer.topics import create_topics
-from kinference.errors import KinferenceError
 from kinference.handlers import Handler, HandlerContext, load_handler
-from kinference.loadgen.baselines import Answer, LoopThread, StaticBatchLoop
-from kinference.loadgen.bench import (
-    STATIC_DELAY_MS,
-    machine,
-    print_tables,
-    serve_kinference,
-    serve_loop,
-    tables_markdown,
-)
+from kinference.loadgen.bench.baselines import STATIC_DELAY_MS, Answer, LoopThread, StaticBatchLoop
+from kinference.loadgen.bench.command import measured, parse_options
+from kinference.loadgen.bench.contender import Serve, contender
+from kinference.loadgen.bench.machine import machine, machine_cpu_s, process_cpu_s
+from kinference.loadgen.bench.outputs import Titled, add_report_arguments, print_tables, tables_markdown, write_reports
+from kinference.loadgen.bench.serve import serve_kinference, serve_loop
 from kinference.loadgen.client import Client
-from kinference.loadgen.contender import Serve, contender, setup_logging
-from kinference.loadgen.drain import process_cpu_s
-from kinference.loadgen.errors import ClientError
 from kinference.loadgen.live import ProgressView
-from kinference.loadgen.outputs import add_report_arguments, write_reports
 from kinference.loadgen.runner import LoadPlan, run_load
 from kinference.protocol import encode_result
 
@@ -143,14 +135,6 @@ def save_model(directory: Path, seed: int = 0) -> Path:
     torch.jit.script(SmallResNet().eval()).save(str(directory / "model.pt"))
     (directory / "labels.txt").write_text("\n".join(LABELS) + "\n")
     return directory
-
-
-def machine_cpu_s() -> float:
-    """CPU seconds every core of this machine has spent busy since boot (Linux /proc/stat): the broker, the load
-    generator and the contender together."""
-    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def predicted_rate(threads: int, decode_s: float, infer_s: float, infer_cpu_s: float, cores: float) -> float:
@@ -456,7 +440,7 @@ def _rate(run: dict[str, Any]) -> float:
     return run["images_per_s"]
 
 
-def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+def tables(report: dict[str, Any]) -> Titled:
     costs = report["costs"]
     ceiling = max(row["images_per_s"] for row in report["ceilings"])
     out = [("Per-image costs (one thread) and the in-process pipelined ceiling",
@@ -525,18 +509,9 @@ def options_from(args: argparse.Namespace, argv: list[str]) -> ImageBenchOptions
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        options = options_from(args, argv)
-    except ValueError as exc:
-        parser.error(str(exc))
-    setup_logging()
-    console = Console()
-    try:
-        report = ImageBench(options, console).run()
-    except (KinferenceError, ClientError, RuntimeError) as exc:
-        console.print(f"[red]kinference bench image failed: {exc}[/red]")
+    args, options = parse_options(build_parser(), argv, lambda args: options_from(args, argv))
+    console, report = measured("kinference bench image", lambda console: ImageBench(options, console).run())
+    if report is None:
         return 1
     print_tables(tables(report), console)
     for path in write_reports(report, args, lambda r: tables_markdown(r, tables(r))):

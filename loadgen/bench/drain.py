@@ -6,7 +6,7 @@ catches up after an outage or a deploy: the backlog drains at that speed. So eac
 consumer's assignment until every offset is committed. kinference commits an offset only once its reply was
 acknowledged, and the relay flushes its replies before each commit, so "committed" means "answered".
 
-Contenders, each in a child process of its own (``loadgen.contender``), on one local broker (``--broker``: the
+Contenders, each in a child process of its own (``loadgen.bench.contender``), on one local broker (``--broker``: the
 embedded Tansu, or Apache Kafka):
 
 - ``relay``: the plain consume -> produce -> commit loop, with the same librdkafka settings;
@@ -62,11 +62,14 @@ from kinference.consumer.service import Service, resolve_device
 from kinference.consumer.supervisor import Supervisor
 from kinference.consumer.topics import create_topics
 from kinference.handlers import HandlerContext, load_handler
-from kinference.loadgen.baselines import CommittingRelay, LoopThread
-from kinference.loadgen.bench import SERVE_KAFKA, measure_ceiling, serve_kinference, serve_loop
-from kinference.loadgen.contender import READY_TIMEOUT_S, Serve, Topics, contender, ready_or_fail, setup_logging
+from kinference.loadgen.bench.baselines import CommittingRelay, LoopThread
+from kinference.loadgen.bench.ceiling import measure_ceiling
+from kinference.loadgen.bench.command import parse_options
+from kinference.loadgen.bench.contender import READY_TIMEOUT_S, Serve, Topics, contender, ready_or_fail, setup_logging
+from kinference.loadgen.bench.machine import process_cpu_s, process_tree_cpu_s
+from kinference.loadgen.bench.outputs import add_report_arguments, write_reports
+from kinference.loadgen.bench.serve import SERVE_KAFKA, serve_kinference, serve_loop
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
-from kinference.loadgen.outputs import add_report_arguments, write_reports
 from kinference.protocol import CORRELATION_ID, REPLY_TO, SPRING_REPLY_PARTITION, encode_partition
 
 COMMIT_INTERVAL_S = 0.1
@@ -177,9 +180,10 @@ def _serve_workers(workers: int, handler: str, handler_options: dict[str, Any], 
         runner.join(READY_TIMEOUT_S)
 
 
-def workers_drain(name: str, about: str, handler: str, topics: Topics, requests: int, workers: int = 2,
+def workers_drain(name: str, about: str, handler: str, topics: Topics, requests: int,
                   handler_options: dict[str, Any] | None = None) -> Drain:
-    return Drain(name, about, partial(_serve_workers, workers, handler, handler_options or {}),
+    """A ``serve --workers 2`` contender (the ``-2-workers`` ones)."""
+    return Drain(name, about, partial(_serve_workers, 2, handler, handler_options or {}),
                  f"bench-{topics['requests']}", requests, backlog_after_ready=True)
 
 
@@ -400,30 +404,6 @@ def wait_committed(bootstrap: str, group: str, ends: dict[tuple[str, int], int],
         watcher.close()
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def process_tree_cpu_s(pid: int) -> float:
-    """``process_cpu_s`` of ``pid`` and of every live process descending from it (a supervisor's workers)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # it ended meanwhile
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    total, todo = 0.0, [pid]
-    while todo:
-        current = todo.pop()
-        with contextlib.suppress(OSError):
-            total += process_cpu_s(current)
-        todo += children.get(current, [])
-    return total
-
-
 # --- where the time goes: a py-spy profile of the contender, summarised per stage
 
 WAITING = "waiting"
@@ -453,7 +433,7 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     ("publish: build records", "consumer/answers.py", None),
     ("publish: produce", "consumer/publisher.py", None),
     ("lag", "consumer/lag.py", None),
-    ("relay", "loadgen/baselines.py", None),
+    ("relay", "loadgen/bench/baselines.py", None),
 )
 
 
@@ -630,18 +610,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def options_from(args: argparse.Namespace) -> DrainOptions:
     unknown = set(args.contenders) - set(CONTENDERS)
     if unknown:
-        parser.error(f"unknown contender(s) {', '.join(sorted(unknown))}")
-    options = DrainOptions(requests=20_000 if args.quick else args.requests,
-                           embedding_requests=1_000 if args.quick else args.embedding_requests,
-                           partitions=args.partitions, corpus=args.corpus, broker=args.broker,
-                           sim_capacities=args.sim_capacities,
-                           sim_inference_threads=args.sim_inference_threads,
-                           contenders=args.contenders, profile=not args.no_profile, profiles_dir=args.profiles)
+        raise ValueError(f"unknown contender(s) {', '.join(sorted(unknown))}")
+    return DrainOptions(requests=20_000 if args.quick else args.requests,
+                        embedding_requests=1_000 if args.quick else args.embedding_requests,
+                        partitions=args.partitions, corpus=args.corpus, broker=args.broker,
+                        sim_capacities=args.sim_capacities,
+                        sim_inference_threads=args.sim_inference_threads,
+                        contenders=args.contenders, profile=not args.no_profile, profiles_dir=args.profiles)
+
+
+def main(argv: list[str]) -> int:
+    args, options = parse_options(build_parser(), argv, options_from)
     setup_logging()
     console = Console()
     report = Run(options, console).run()

@@ -5,7 +5,7 @@ The scenarios (``SCENARIOS``; docs/benchmarks.md says what each one is):
 - ceilings: the handler alone in this process (``inproc-fifo``, ``inproc-grouped``: texts batched in
   corpus order or sorted by length, at the best of a few batch sizes), and the plain consume ->
   produce ``relay`` (transport ceiling, echo payloads) beside kinference's echo handler (``kinference-echo``);
-- baselines written the way users write them (``loadgen.baselines``): ``per-message``,
+- baselines written the way users write them (``loadgen.bench.baselines``): ``per-message``,
   ``torchserve-b8`` and ``torchserve-b32`` (static batching, 50 ms delay, stages one after another);
 - kinference settings: data in ``KINFERENCE_SETTINGS``, a name plus ``ServiceConfig`` overrides; the one that
   matches ``kinference serve``'s defaults (``default_setting()``) is the one the targets judge.
@@ -24,17 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import itertools
 import logging
 import math
-import os
-import platform
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -42,18 +37,15 @@ from typing import Any, Literal
 
 import numpy as np
 from pydantic import ValidationError
-from rich import box
 from rich.console import Console
-from rich.table import Table
 
 from kinference.consumer.broker import BROKER_KINDS, LOW_LATENCY_CONSUMER, local_broker
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.service import Service, resolve_device, settle_heap
+from kinference.consumer.service import resolve_device
 from kinference.consumer.topics import create_topics
-from kinference.errors import KinferenceError
-from kinference.handlers import Handler, HandlerContext, load_handler
-from kinference.loadgen.baselines import (
-    TRANSPORT_CONSUMER,
+from kinference.handlers import HandlerContext, load_handler
+from kinference.loadgen.bench.baselines import (
+    STATIC_DELAY_MS,
     LoopThread,
     MiniLM,
     PerMessageLoop,
@@ -61,15 +53,17 @@ from kinference.loadgen.baselines import (
     StaticBatchLoop,
     embedding_answers,
 )
+from kinference.loadgen.bench.ceiling import measure_ceiling
+from kinference.loadgen.bench.command import measured, parse_options
+from kinference.loadgen.bench.contender import Serve, contender
+from kinference.loadgen.bench.machine import loadavg, machine
+from kinference.loadgen.bench.outputs import Titled, add_report_arguments, print_tables, tables_markdown, write_reports
+from kinference.loadgen.bench.serve import serve_kinference, serve_loop
 from kinference.loadgen.cli import concurrency_list
 from kinference.loadgen.client import Client
-from kinference.loadgen.contender import READY_TIMEOUT_S, Serve, Topics, contender, ready_or_fail, setup_logging
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
-from kinference.loadgen.errors import ClientError
 from kinference.loadgen.live import ProgressView
-from kinference.loadgen.outputs import add_report_arguments, write_reports
 from kinference.loadgen.plot import plot_sweep
-from kinference.loadgen.report import percentiles
 from kinference.loadgen.runner import LoadPlan, RunResult, run_sweep
 
 log = logging.getLogger(__name__)
@@ -86,7 +80,6 @@ class KinferenceSetting:
     about: str
 
 
-STATIC_DELAY_MS = 50.0
 _TOKEN_BUDGET = ServiceConfig.model_fields["max_batch_tokens"].default
 # Every setting spells out its policy and token budget, so that the one matching kinference's defaults is found
 # by comparing these fields (default_setting), not by a name that could go stale when a default changes.
@@ -124,12 +117,9 @@ def default_setting(settings: Sequence[KinferenceSetting] = KINFERENCE_SETTINGS)
     if len(matches) != 1:
         wanted = ", ".join(f"{name}={getattr(defaults, name)!r}" for name in _BATCHING_FIELDS)
         raise ValueError(f"exactly one kinference setting must match kinference's default batching ({wanted}); "
-                         f"matching: {', '.join(matches) or 'none'}. Update KINFERENCE_SETTINGS in loadgen/bench.py")
+                         f"matching: {', '.join(matches) or 'none'}. "
+                         "Update KINFERENCE_SETTINGS in loadgen/bench/bench.py")
     return matches[0]
-
-
-SERVE_KAFKA = {key: TRANSPORT_CONSUMER[key] for key in ("session.timeout.ms", "heartbeat.interval.ms",
-                                                          "fetch.wait.max.ms")}
 
 
 @dataclass(frozen=True)
@@ -144,31 +134,6 @@ class Scenario:
     serve: Serve | None = None
     """Picklable (``contender`` sends it to a child process)."""
     order: Literal["fifo", "grouped"] | None = None
-
-
-@contextmanager
-def serve_kinference(overrides: dict[str, Any], handler: str, bootstrap_servers: str, topics: Topics,
-                     tracer_provider: Any = None) -> Iterator[Service]:
-    """A kinference contender (``functools.partial`` it with ``overrides`` and ``handler`` for ``contender``);
-    ``tracer_provider`` is ``Service``'s, for a contender with ``tracing`` on."""
-    config = ServiceConfig(
-        bootstrap_servers=bootstrap_servers, request_topics=[topics["requests"]],
-        reply_topic=topics["replies"], dead_letter_topic=topics["dead"],
-        group_id=f"bench-{topics['requests']}", handler=handler, kafka_consumer=SERVE_KAFKA,
-        metrics=False, shutdown_grace_s=5.0, **overrides)
-    with Service(config, tracer_provider=tracer_provider) as service:
-        settle_heap()  # as ``kinference serve`` does
-        ready_or_fail(service.wait_ready(READY_TIMEOUT_S), config.group_id)
-        yield service
-
-
-@contextmanager
-def serve_loop(make: Callable[[str, str], LoopThread], bootstrap_servers: str, topics: Topics
-               ) -> Iterator[LoopThread]:
-    """A baseline loop built by ``make(bootstrap_servers, request_topic)`` (a picklable callable)."""
-    with make(bootstrap_servers, topics["requests"]) as loop:
-        ready_or_fail(loop.wait_ready(READY_TIMEOUT_S), loop.group_id)
-        yield loop
 
 
 def _per_message(bootstrap_servers: str, topic: str) -> LoopThread:
@@ -237,14 +202,14 @@ class Bench:
 
     def run(self) -> dict[str, Any]:
         options = self.options
-        load_before = _loadavg()
+        load_before = loadavg()
         started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         payloads = {corpus: builtin_corpus(corpus, seed=options.seed) for corpus in options.corpora}
         ceilings = self._ceilings(payloads)
         runs = self._kafka_runs(payloads)
         report = {
             "command": options.command, "started": started, "wall_s": round(time.monotonic() - self.began, 1),
-            "machine": {**machine(), "loadavg_start": load_before, "loadavg_end": _loadavg()},
+            "machine": {**machine(), "loadavg_start": load_before, "loadavg_end": loadavg()},
             "settings": options.settings(),
             "scenarios": [{"name": s.name, "kind": s.kind, "about": s.about} for s in options.scenarios],
             "ceilings": ceilings, "runs": runs,
@@ -320,43 +285,26 @@ def run_row(scenario: Scenario, corpus: str, result: RunResult) -> dict[str, Any
             "steady_rps": round(report["sent"] / duration, 3) if duration else None, **report}
 
 
-def measure_ceiling(handler: Handler, payloads: Sequence[dict[str, str]], order: Literal["fifo", "grouped"],
-                    batch_sizes: Sequence[int], seconds: float) -> dict[str, Any]:
-    """Items per second of ``handler`` called directly (``handle``) at each batch size for about ``seconds``,
-    batching ``payloads`` in their order or sorted by text length; and the latency of one-item calls (with
-    batch size 1 among ``batch_sizes``)."""
-    ordered = sorted(payloads, key=lambda payload: len(payload["text"])) if order == "grouped" else list(payloads)
-    rates: dict[str, float] = {}
-    single_ms: list[float] = []
-    for size in batch_sizes:
-        batches = [ordered[i:i + size] for i in range(0, len(ordered), size)]
-        handle(handler, batches[0])  # warm this shape
-        done, began = 0, time.monotonic()
-        deadline = began + seconds
-        for index in itertools.count():
-            batch = batches[index % len(batches)]
-            start = time.monotonic()
-            handle(handler, batch)
-            now = time.monotonic()
-            done += len(batch)
-            if size == 1:
-                single_ms.append((now - start) * 1000)
-            if now >= deadline:
-                break
-        rates[str(size)] = round(done / (time.monotonic() - began), 2)
-    best = max(rates, key=rates.__getitem__)
-    return {"items_per_s": rates, "best_batch_size": int(best), "best_items_per_s": rates[best],
-            "batch1_latency_ms": percentiles(single_ms)}
-
-
-def handle(handler: Handler, payloads: Sequence[Any]) -> list[Any]:
-    """Everything kinference asks of the handler for one batch: ``validate`` each payload (which tokenises text),
-    then ``preprocess``, ``inference`` and ``postprocess``."""
-    items = [handler.validate(payload) for payload in payloads]
-    return handler.postprocess(handler.inference(handler.preprocess(items)), items)
-
-
 # --- targets (the issue's, as ratios within this run)
+
+@dataclass(frozen=True)
+class Target:
+    """One target on one corpus (at one concurrency): the value measured and the limit it must reach."""
+
+    text: str
+    corpus: str
+    concurrency: int | None
+    value: float
+    limit: float
+    higher: bool
+    """Met at or above ``limit``; else at or below it."""
+    detail: str
+
+    def row(self) -> dict[str, Any]:
+        met = self.value >= self.limit if self.higher else self.value <= self.limit
+        return {"target": self.text, "corpus": self.corpus, "concurrency": self.concurrency,
+                "value": round(self.value, 3), "limit": round(self.limit, 3), "met": bool(met), "detail": self.detail}
+
 
 def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target the run has the scenarios for: what was measured, the limit, and whether it is met. The
@@ -369,60 +317,63 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     judged = settings["default_setting"]
     contenders = [s["name"] for s in report["scenarios"]
                   if s["kind"] in ("baseline", "kinference") and s["name"] != judged]
-    targets: list[dict[str, Any]] = []
-
-    def add(text: str, corpus: str, concurrency: int | None, value: float, limit: float, higher: bool,
-            detail: str) -> None:
-        met = value >= limit if higher else value <= limit
-        targets.append({"target": text, "corpus": corpus, "concurrency": concurrency, "value": round(value, 3),
-                        "limit": round(limit, 3), "met": bool(met), "detail": detail})
-
+    targets: list[Target] = []
     for corpus in settings["corpora"]:
         default = {c: runs.get((judged, corpus, c)) for c in settings["concurrency"]}
         at_top = default[top]
         grouped, fifo = ceilings.get(("inproc-grouped", corpus)), ceilings.get(("inproc-fifo", corpus))
         if at_top and corpus == "mixed" and grouped:
-            add(">= 0.9x the length-grouped in-process ceiling", corpus, top,
-                at_top["steady_rps"] / grouped["best_items_per_s"], 0.9, True,
-                f"{at_top['steady_rps']:.1f} vs {grouped['best_items_per_s']:.1f} items/s "
-                f"(batch {grouped['best_batch_size']})")
+            targets.append(Target(">= 0.9x the length-grouped in-process ceiling", corpus, top,
+                                  at_top["steady_rps"] / grouped["best_items_per_s"], 0.9, True,
+                                  f"{at_top['steady_rps']:.1f} vs {grouped['best_items_per_s']:.1f} items/s "
+                                  f"(batch {grouped['best_batch_size']})"))
         static = [runs[(n, corpus, top)] for n in names if n.startswith("torchserve-") and (n, corpus, top) in runs]
         if at_top and corpus == "mixed" and static:
             best = max(static, key=lambda r: r["steady_rps"])
-            add(">= 2x static FIFO batching (best of the TorchServe baselines)", corpus, top,
-                at_top["steady_rps"] / max(best["steady_rps"], 1e-9), 2.0, True,
-                f"{at_top['steady_rps']:.1f} vs {best['scenario']} {best['steady_rps']:.1f} replies/s")
+            targets.append(Target(">= 2x static FIFO batching (best of the TorchServe baselines)", corpus, top,
+                                  at_top["steady_rps"] / max(best["steady_rps"], 1e-9), 2.0, True,
+                                  f"{at_top['steady_rps']:.1f} vs {best['scenario']} {best['steady_rps']:.1f} "
+                                  "replies/s"))
         inproc = [c for c in (grouped, fifo) if c]
         if at_top and corpus == "short" and inproc:
             best_ceiling = max(inproc, key=lambda c: c["best_items_per_s"])
-            add(">= 0.9x the best in-process ceiling", corpus, top,
-                at_top["steady_rps"] / best_ceiling["best_items_per_s"], 0.9, True,
-                f"{at_top['steady_rps']:.1f} vs {best_ceiling['scenario']} {best_ceiling['best_items_per_s']:.1f}")
+            targets.append(Target(">= 0.9x the best in-process ceiling", corpus, top,
+                                  at_top["steady_rps"] / best_ceiling["best_items_per_s"], 0.9, True,
+                                  f"{at_top['steady_rps']:.1f} vs {best_ceiling['scenario']} "
+                                  f"{best_ceiling['best_items_per_s']:.1f}"))
         one = default.get(1)
         if one and fifo and fifo["batch1_latency_ms"]["p50"] is not None:
             batch1 = fifo["batch1_latency_ms"]["p50"]
-            add("concurrency 1: p50 <= 1.2x in-process batch-1 latency + 5 ms", corpus, 1,
-                one["latency_ms"]["p50"], 1.2 * batch1 + 5, False,
-                f"p50 {one['latency_ms']['p50']:.1f} ms; batch-1 in-process p50 {batch1:.1f} ms")
-        for concurrency, mine in default.items():
-            others = [runs[(n, corpus, concurrency)] for n in contenders if (n, corpus, concurrency) in runs]
-            if not mine or not others:
-                continue
-            fastest = max(others, key=lambda r: r["steady_rps"])
-            add("no other setting is more than 5% faster", corpus, concurrency,
-                fastest["steady_rps"] / max(mine["steady_rps"], 1e-9), 1.05, False,
-                f"{fastest['scenario']} {fastest['steady_rps']:.1f} vs {mine['steady_rps']:.1f} replies/s")
-            tightest = min(others, key=lambda r: r["latency_ms"]["p99"] or math.inf)
-            if tightest["latency_ms"]["p99"] and mine["latency_ms"]["p99"]:
-                add("p99 <= 1.2x the lowest p99 of the others", corpus, concurrency,
-                    mine["latency_ms"]["p99"] / tightest["latency_ms"]["p99"], 1.2, False,
-                    f"{mine['latency_ms']['p99']:.1f} ms vs {tightest['scenario']} "
-                    f"{tightest['latency_ms']['p99']:.1f} ms")
+            targets.append(Target("concurrency 1: p50 <= 1.2x in-process batch-1 latency + 5 ms", corpus, 1,
+                                  one["latency_ms"]["p50"], 1.2 * batch1 + 5, False,
+                                  f"p50 {one['latency_ms']['p50']:.1f} ms; batch-1 in-process p50 {batch1:.1f} ms"))
+        others = {c: [runs[(n, corpus, c)] for n in contenders if (n, corpus, c) in runs] for c in default}
+        targets += _against_the_others(corpus, default, others)
         echo, relay = runs.get(("kinference-echo", corpus, top)), runs.get(("relay", corpus, top))
         if echo and relay:
-            add("echo handler >= 0.5x the relay", corpus, top, echo["steady_rps"] / max(relay["steady_rps"], 1e-9),
-                0.5, True, f"{echo['steady_rps']:.0f} vs {relay['steady_rps']:.0f} replies/s")
-    return targets
+            targets.append(Target("echo handler >= 0.5x the relay", corpus, top,
+                                  echo["steady_rps"] / max(relay["steady_rps"], 1e-9), 0.5, True,
+                                  f"{echo['steady_rps']:.0f} vs {relay['steady_rps']:.0f} replies/s"))
+    return [target.row() for target in targets]
+
+
+def _against_the_others(corpus: str, default: dict[int, dict[str, Any] | None],
+                        others: dict[int, list[dict[str, Any]]]) -> Iterator[Target]:
+    """At each concurrency, the judged setting's run (``default``) against the other settings and baselines: none
+    more than 5% faster, and its p99 within 1.2x the lowest of theirs."""
+    for concurrency, mine in default.items():
+        if not mine or not others[concurrency]:
+            continue
+        fastest = max(others[concurrency], key=lambda r: r["steady_rps"])
+        yield Target("no other setting is more than 5% faster", corpus, concurrency,
+                     fastest["steady_rps"] / max(mine["steady_rps"], 1e-9), 1.05, False,
+                     f"{fastest['scenario']} {fastest['steady_rps']:.1f} vs {mine['steady_rps']:.1f} replies/s")
+        tightest = min(others[concurrency], key=lambda r: r["latency_ms"]["p99"] or math.inf)
+        if tightest["latency_ms"]["p99"] and mine["latency_ms"]["p99"]:
+            yield Target("p99 <= 1.2x the lowest p99 of the others", corpus, concurrency,
+                         mine["latency_ms"]["p99"] / tightest["latency_ms"]["p99"], 1.2, False,
+                         f"{mine['latency_ms']['p99']:.1f} ms vs {tightest['scenario']} "
+                         f"{tightest['latency_ms']['p99']:.1f} ms")
 
 
 # --- output: tables, markdown, plot
@@ -448,7 +399,7 @@ def _latency(run: dict[str, Any]) -> str:
                       else f"{latency[k]:.1f}" for k in ("p50", "p99"))
 
 
-def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+def tables(report: dict[str, Any]) -> Titled:
     """(title, header, rows) of every table of the report: the console and the markdown show these."""
     concurrency = [f"c={c}" for c in report["settings"]["concurrency"]]
     out = []
@@ -481,38 +432,9 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                   f"{report['machine']['loadavg_start']} / {report['machine']['loadavg_end']}")
 
 
-def print_tables(titled: list[tuple[str, list[str], list[list[str]]]], console: Console) -> None:
-    """(title, header, rows) tables on the console: the first column and free text left, numbers right."""
-    for title, header, rows in titled:
-        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-        wrap = {"target", "detail"}
-        for index, name in enumerate(header):
-            table.add_column(name, justify="left" if index == 0 or name in wrap else "right",
-                             no_wrap=name not in wrap)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-
-
 def markdown(report: dict[str, Any]) -> str:
     """The report's tables in Markdown (for docs/benchmarks.md)."""
     return tables_markdown(report, tables(report))
-
-
-def tables_markdown(report: dict[str, Any], titled: list[tuple[str, list[str], list[list[str]]]]) -> str:
-    """A run's header line (command, machine, wall time, load) and its (title, header, rows) tables in Markdown."""
-    machine = report["machine"]
-    broker = report.get("broker", {}).get("description")
-    lines = [f"`{report['command']}`, {report['started']}, {machine['cpus']} CPUs ({machine['cpu']}), "
-             f"torch {machine['torch']}, {f'broker {broker}, ' if broker else ''}wall time {report['wall_s']:.0f} s, "
-             "load average "
-             f"{machine['loadavg_start']} before / {machine['loadavg_end']} after.", ""]
-    for title, header, rows in titled:
-        lines += [f"**{title}**", "", "| " + " | ".join(header) + " |",
-                  "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        lines.append("")
-    return "\n".join(lines)
 
 
 def plot_bench(report: dict[str, Any], path: Path) -> Path:
@@ -551,29 +473,6 @@ def plot_bench(report: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     imsave(path, np.vstack(images))
     return path
-
-
-def machine() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "device": resolve_device("auto")}
-
-
-def _loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
 
 
 # --- command line
@@ -638,21 +537,12 @@ def options_from(args: argparse.Namespace, argv: Sequence[str]) -> BenchOptions:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["image"]:
-        from kinference.loadgen import image_bench
+        from kinference.loadgen.bench import image
 
-        return image_bench.main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        options = options_from(args, argv)
-    except ValueError as exc:
-        parser.error(str(exc))
-    setup_logging()
-    console = Console()
-    try:
-        report = Bench(options, console).run()
-    except (KinferenceError, ClientError, RuntimeError) as exc:
-        console.print(f"[red]kinference bench failed: {exc}[/red]")
+        return image.main(argv[1:])
+    args, options = parse_options(build_parser(), argv, lambda args: options_from(args, argv))
+    console, report = measured("kinference bench", lambda console: Bench(options, console).run())
+    if report is None:
         return 1
     print_report(report, console)
     for path in write_reports(report, args, markdown):
@@ -680,5 +570,3 @@ def _scenarios(text: str) -> list[str]:
     return names
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -43,6 +43,8 @@ TRANSPORT_CONSUMER = {
     "partition.assignment.strategy": "range",
 }
 TRANSPORT_PRODUCER = {"linger.ms": "2"}
+STATIC_DELAY_MS = 50.0
+"""The batch delay of the TorchServe-style static loops (and of ``kinference bench``'s ``kinference-static``)."""
 
 _POLL_S = 0.1
 Embed = Callable[[list[str]], list[list[float]]]
