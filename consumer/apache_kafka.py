@@ -139,19 +139,19 @@ class ApacheKafkaBroker:
     description = f"Apache Kafka {kafka_version()}"
     # librdkafka's own fetch settings are right here: Apache Kafka answers a waiting fetch as data arrives.
     consumer_properties: Mapping[str, str] = {}
+    host = "127.0.0.1"
+    """Loopback only: a broker for tests and benchmarks, never reachable from another machine."""
 
     def __init__(
         self,
         port: int | None = None,
-        host: str = "127.0.0.1",
         properties: Mapping[str, str] | None = None,
         features: Mapping[str, int] | None = None,
         heap: str = "512m",
         start_timeout_s: float = 90.0,
         log_file: Path | None = None,
     ) -> None:
-        self.host = host
-        self.port = port or free_port(host)
+        self.port = port or free_port(self.host)
         self.properties = {**BROKER_DEFAULTS, **(properties or {})}
         self.features = {"share.version": 1, **(features or {})}
         self.heap = heap

@@ -27,9 +27,10 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from kinference.consumer.commit import OffsetTracker
+from kinference.consumer.config import ServiceConfig
 from kinference.consumer.flow import FlowControl
+from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
-from kinference.consumer.request import Request
 from kinference.consumer.types import PartitionKey
 
 log = logging.getLogger(__name__)
@@ -38,24 +39,21 @@ log = logging.getLogger(__name__)
 class Rebalance:
     def __init__(
         self,
-        tracker: OffsetTracker,
+        config: ServiceConfig,
+        intake: Intake[OffsetTracker],
         flow: FlowControl,
-        discard: Callable[[list[PartitionKey]], list[Request]],
         commit: Callable[[Any, list[PartitionKey]], None],
         metrics: Metrics,
-        *,
-        incremental: bool,
-        drain_s: float,
     ) -> None:
-        """``discard`` takes the not-yet-started requests of partitions out of the batcher; ``commit(consumer,
-        partitions)`` commits what is answered of them, synchronously."""
-        self._tracker = tracker
+        """``intake``: its commit ledger, and ``discard``, which takes the not-yet-started requests of partitions out
+        of the batchers; ``commit(consumer, partitions)`` commits what is answered of them, synchronously."""
+        self._tracker = intake.tracker
         self._flow = flow
-        self._discard = discard
+        self._discard = intake.discard
         self._commit = commit
         self._metrics = metrics
-        self._incremental = incremental
-        self._drain_s = drain_s
+        self._incremental = config.incremental_rebalancing
+        self._drain_s = config.rebalance_drain_ms / 1000
         self.drain_until: float | None = None
         """Shutdown: no revoke waits past this ``time.monotonic()``."""
         self.partitions: set[PartitionKey] = set()

@@ -125,9 +125,7 @@ class Source:
         self._committer = committer
         self.errors = ConsumerErrors(metrics, "consumer")
         self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics)
-        self.rebalance = Rebalance(self._tracker, self._flow, intake.discard, committer.commit, metrics,
-                                   incremental=config.incremental_rebalancing,
-                                   drain_s=config.rebalance_drain_ms / 1000)
+        self.rebalance = Rebalance(config, intake, self._flow, committer.commit, metrics)
         callbacks: dict[str, Any] = {"error_cb": self.errors.on_client, "stats_cb": self._on_stats}
         if hasattr(committer, "on_commit"):
             callbacks["on_commit"] = committer.on_commit

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import confluent_kafka
 
@@ -56,6 +57,24 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+def _fill(vu: _Vu, slot: str, data: Any) -> list[Any]:
+    """Set one ``rd_kafka_vu_t``'s value; returns the buffers it points into."""
+    if slot == "cstr":
+        vu.u.cstr = data
+        return []
+    if slot == "i32":
+        vu.u.i32 = data
+        return []
+    if slot == "mem":
+        buffer = ctypes.create_string_buffer(data, len(data))
+        vu.u.mem = _Mem(ctypes.cast(buffer, ctypes.c_void_p), len(data))
+        return [buffer]
+    name, header_value = data  # a NUL-terminated name: any bytes but NUL
+    value_buffer = ctypes.create_string_buffer(header_value, len(header_value))
+    vu.u.header = _Header(name, ctypes.cast(value_buffer, ctypes.c_void_p), len(header_value))
+    return [name, value_buffer]
+
+
 def produce_raw(bootstrap_servers: str, topic: str, partition: int,
                 records: list[tuple[bytes | None, bytes | None, list[tuple[bytes, bytes]]]]) -> None:
     """Produce ``(key, value, [(header name bytes, header value bytes)])`` records, in order, to one partition
@@ -82,19 +101,7 @@ def produce_raw(bootstrap_servers: str, topic: str, partition: int,
             keep = []  # the buffers must outlive the call (librdkafka copies them: RD_KAFKA_MSG_F_COPY)
             for i, (vtype, slot, data) in enumerate(fields):
                 vus[i].vtype = vtype
-                if slot == "cstr":
-                    vus[i].u.cstr = data
-                elif slot == "i32":
-                    vus[i].u.i32 = data
-                elif slot == "mem":
-                    buffer = ctypes.create_string_buffer(data, len(data))
-                    keep.append(buffer)
-                    vus[i].u.mem = _Mem(ctypes.cast(buffer, ctypes.c_void_p), len(data))
-                else:
-                    name, header_value = data  # a NUL-terminated name: any bytes but NUL
-                    value_buffer = ctypes.create_string_buffer(header_value, len(header_value))
-                    keep += [name, value_buffer]
-                    vus[i].u.header = _Header(name, ctypes.cast(value_buffer, ctypes.c_void_p), len(header_value))
+                keep += _fill(vus[i], slot, data)
             vus[len(fields)].vtype = _END
             failure = lib.rd_kafka_produceva(producer, vus, len(fields))
             if failure:

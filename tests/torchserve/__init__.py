@@ -26,9 +26,10 @@ def vector_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def build_archive(export_dir: Path, name: str, handler: str, serialized_file: Path, *,
-                  config_file: Path | None = None, extra_files: list[Path] | None = None,
-                  model_file: Path | None = None, archive_format: str = "default") -> Path:
+def build_archive(  # noqa: PLR0913 - torch-model-archiver's own options, each optional
+    export_dir: Path, name: str, handler: str, serialized_file: Path, *, config_file: Path | None = None,
+    extra_files: list[Path] | None = None, model_file: Path | None = None, archive_format: str = "default",
+) -> Path:
     """``torch-model-archiver`` into ``export_dir``: the .mar (or .tar.gz, or the directory for no-archive)."""
     export_dir.mkdir(parents=True, exist_ok=True)
     command = [str(Path(sys.executable).parent / "torch-model-archiver"), "--model-name", name, "--version", "1.0",
