@@ -183,7 +183,8 @@ class Service:
             settings = model.config
             model.handler.setup(HandlerContext(device=device, model=_path(settings.model),
                                                options=dict(settings.handler_options),
-                                               max_batch_size=settings.micro_batch_size or settings.max_batch_size,
+                                               max_batch_size=settings.batching.micro_batch_size
+                                               or settings.batching.max_batch_size,
                                                registry=self.metrics.registry, host_dir=self._host_dir))
         try:
             self._build(config)
@@ -195,8 +196,9 @@ class Service:
             settings = model.config
             log.info("model %s ready: %s; batching: %s policy, max_batch_size=%d, max_batch_delay_ms=%g, "
                      "micro_batch_size=%s, parallelism %s", model.name, model.handler.describe(),
-                     settings.batch_policy, settings.max_batch_size, settings.max_batch_delay_ms,
-                     settings.micro_batch_size, settings.parallelism.model_dump())
+                     settings.batching.batch_policy, settings.batching.max_batch_size,
+                     settings.batching.max_batch_delay_ms, settings.batching.micro_batch_size,
+                     settings.batching.parallelism.model_dump())
         self._model_ready = True
         self.publisher.start()  # type: ignore[union-attr]
         self.source.start()  # type: ignore[union-attr]
@@ -262,10 +264,7 @@ class Service:
                   else OipModel(name, settings.model_version, settings.request_format))
         model.route = ModelRoute(name, settings.model_version, model.handler.payload_format, served)
         self._by_name[name] = model
-        model.batcher = batcher = Batcher(
-            settings.batch_policy, settings.max_batch_size, settings.max_batch_delay_ms, reject=self._reply_now,
-            max_batch_tokens=settings.max_batch_tokens, max_batch_bytes=settings.max_batch_bytes,
-            max_queue_ms=settings.max_queue_ms, target_latency_ms=settings.target_latency_ms)
+        model.batcher = batcher = Batcher(settings.batching, self._reply_now, max_queue_ms=settings.max_queue_ms)
         cost = batcher.cost
         self.metrics.batch_cost_fixed.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
         self.metrics.batch_cost_per_unit.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
@@ -273,17 +272,17 @@ class Service:
             model.handler,
             batcher.next_batch,
             publisher.submit,
-            preprocess_threads=settings.parallelism.preprocess,
-            inference_threads=settings.parallelism.inference,
-            postprocess_threads=settings.parallelism.postprocess,
-            max_batch_size=settings.max_batch_size,
-            micro_batch_size=settings.micro_batch_size,
+            preprocess_threads=settings.batching.parallelism.preprocess,
+            inference_threads=settings.batching.parallelism.inference,
+            postprocess_threads=settings.batching.parallelism.postprocess,
+            max_batch_size=settings.batching.max_batch_size,
+            micro_batch_size=settings.batching.micro_batch_size,
             metrics=self.metrics,
             observe=batcher.observe,
             wake=batcher.wake,
             tracing=self.tracing,
             model=name,
-            handler_timeout_s=settings.handler_timeout_s,
+            handler_timeout_s=settings.batching.handler_timeout_s,
         )
         if len(self.models) > 1:
             model.max_in_flight = max(1, self.config.max_in_flight // len(self.models))
