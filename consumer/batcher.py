@@ -35,14 +35,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
 
+from kinference.consumer.config import Batching
 from kinference.consumer.cost import ArrivalRate, BatchCost
 from kinference.consumer.request import Request
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
-
-BatchPolicy = Literal["adaptive", "greedy", "static"]
 
 GROUP_SPREAD = 2.0
 """A length-grouped batch's longest request is at most this many times its shortest (plus the slack):
@@ -70,29 +68,19 @@ Rejected = list[tuple[Request, RequestError]]
 class Batcher:
     def __init__(
         self,
-        policy: BatchPolicy,
-        max_batch_size: int,
-        max_batch_delay_ms: float,
+        batching: Batching,
         reject: Callable[[Request], None],
         *,
-        max_batch_tokens: int | None = None,
-        max_batch_bytes: int | None = None,
         max_queue_ms: float | None = None,
-        target_latency_ms: float = 100.0,
         clock: Callable[[], float] = time.monotonic,
         epoch_ms: Callable[[], float] = lambda: time.time() * 1000,
     ) -> None:
-        if policy not in ("adaptive", "greedy", "static"):
-            raise ValueError(f"unknown batch policy {policy!r}")
-        if max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
-        self.policy = policy
-        self.max_batch_size = max_batch_size
-        self.max_batch_delay_s = max_batch_delay_ms / 1000
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_bytes = max_batch_bytes
+        """``batching``: the policy and limits (validated there); ``reject``: gets each request refused here,
+        failed with its error; ``max_queue_ms``: shed requests older than this (None: never)."""
+        self.batching = batching
+        self.max_batch_delay_s = batching.max_batch_delay_ms / 1000
+        self.target_latency_s = batching.target_latency_ms / 1000
         self.max_queue_ms = max_queue_ms
-        self.target_latency_s = target_latency_ms / 1000
         self.cost = BatchCost()
         self.arrivals = ArrivalRate()
         self._reject = reject
@@ -139,10 +127,10 @@ class Batcher:
         if not self._entries:
             return None
         count = len(self._entries)
-        if self.policy == "greedy" or self._full():
+        if self.batching.batch_policy == "greedy" or self._full():
             return 0.0
         oldest = self._oldest().request
-        if self.policy == "static":
+        if self.batching.batch_policy == "static":
             return max(0.0, oldest.received + self.max_batch_delay_s - now)
         return self._adaptive_hold_s(oldest, count, now)
 
@@ -153,8 +141,8 @@ class Batcher:
         return wait
 
     def _full(self) -> bool:
-        return len(self._entries) >= self.max_batch_size or (
-            self.max_batch_bytes is not None and self._waiting_bytes >= self.max_batch_bytes)
+        return len(self._entries) >= self.batching.max_batch_size or (
+            self.batching.max_batch_bytes is not None and self._waiting_bytes >= self.batching.max_batch_bytes)
 
     def wake(self) -> None:
         """An inference thread is free: a waiting ``next_batch`` looks again."""
@@ -167,7 +155,7 @@ class Batcher:
         if fitted is None or rate <= 0:
             return 0.0  # nothing learned yet: behave like greedy
         fixed_s, per_unit_s = fitted
-        worth_waiting_for = min(rate * fixed_s, self.max_batch_size)
+        worth_waiting_for = min(rate * fixed_s, self.batching.max_batch_size)
         if count >= worth_waiting_for:
             return 0.0
         unit = self._mean_work_per_request()
@@ -232,12 +220,12 @@ class Batcher:
         refused: list[_Waiting] = []
         size = 0
         for entry in self._fifo:
-            if len(taken) == self.max_batch_size:
+            if len(taken) == self.batching.max_batch_size:
                 break
             if entry.taken:
                 continue
             nbytes = _size(entry.request)
-            if taken and self.max_batch_bytes is not None and size + nbytes > self.max_batch_bytes:
+            if taken and self.batching.max_batch_bytes is not None and size + nbytes > self.batching.max_batch_bytes:
                 break
             error = self._rejection(entry.request, now)
             if error is None:
@@ -251,14 +239,14 @@ class Batcher:
 
     def _take_length_group(self, oldest: _Waiting, now: float, rejected: Rejected) -> list[_Waiting]:
         """The oldest request and the waiting ones nearest to it in length, within the limits."""
-        assert self.max_batch_tokens is not None
+        assert self.batching.max_batch_tokens is not None
         by_length, anchor = self._by_length, oldest.tokens
         below = bisect.bisect_left(by_length, oldest.key) - 1
         above = below + 2
         taken, refused = [oldest], []
         shortest = longest = anchor
         size = _size(oldest.request)
-        while len(taken) < self.max_batch_size and (below >= 0 or above < len(by_length)):
+        while len(taken) < self.batching.max_batch_size and (below >= 0 or above < len(by_length)):
             go_below = above >= len(by_length) or (
                 below >= 0 and anchor - by_length[below][0] <= by_length[above][0] - anchor
             )
@@ -266,9 +254,9 @@ class Batcher:
             low, high = min(shortest, entry.tokens), max(longest, entry.tokens)
             nbytes = _size(entry.request)
             fits = (
-                high * (len(taken) + 1) <= self.max_batch_tokens
+                high * (len(taken) + 1) <= self.batching.max_batch_tokens
                 and high <= GROUP_SPREAD * low + GROUP_SLACK_TOKENS
-                and (self.max_batch_bytes is None or size + nbytes <= self.max_batch_bytes)
+                and (self.batching.max_batch_bytes is None or size + nbytes <= self.batching.max_batch_bytes)
             )
             if not fits:  # the next one out on this side would fit even less
                 if go_below:
@@ -297,7 +285,7 @@ class Batcher:
             self._counted += sign
 
     def _grouped(self, entry: _Waiting) -> bool:
-        return self.max_batch_tokens is not None and entry.tokens >= 0
+        return self.batching.max_batch_tokens is not None and entry.tokens >= 0
 
     def _oldest(self) -> _Waiting:
         while self._fifo[0].taken:

@@ -1,9 +1,10 @@
 """The service's commands: ``kinference serve``, ``topics``, ``healthcheck`` and ``broker``.
 
-``serve`` has one flag per ``ServiceConfig`` field, generated from the model so flags, env vars,
-YAML keys and docs never drift apart: ``--max-batch-size`` <-> ``KINFERENCE_MAX_BATCH_SIZE`` <->
-``max_batch_size:``. ``topics create`` reads the same settings, so it creates exactly the topics that
-``serve`` will use, with the same Kafka properties (SASL included). ``kinference.cli`` dispatches here.
+``serve`` has one flag per option (``config.OPTIONS``: ``ServiceConfig``'s fields, the batching ones each on
+its own), generated from the model so flags, env vars, YAML keys and docs never drift apart:
+``--max-batch-size`` <-> ``KINFERENCE_MAX_BATCH_SIZE`` <-> ``max_batch_size:``. ``topics create`` reads the
+same settings, so it creates exactly the topics that ``serve`` will use, with the same Kafka properties (SASL
+included). ``kinference.cli`` dispatches here.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from kinference.consumer.config import ENV_PREFIX, ServiceConfig, load_config
+from kinference.consumer.config import ENV_PREFIX, OPTIONS, ServiceConfig, load_config
 from kinference.consumer.logs import setup_logging
 from kinference.errors import KinferenceError
 
@@ -98,10 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, fields: Iterable[str] | None = None) -> None:
-    """One flag per config field (or per one of ``fields``); values stay strings here and are validated by
+    """One flag per option (or per one of ``fields``); values stay strings here and are validated by
     ``ServiceConfig``."""
-    for name in ServiceConfig.model_fields if fields is None else fields:
-        field = ServiceConfig.model_fields[name]
+    for name in OPTIONS if fields is None else fields:
+        field = OPTIONS[name]
         flag = "--" + name.replace("_", "-")
         default = field.default.model_dump() if hasattr(field.default, "model_dump") else field.default
         help_text = f"{field.description} Default: {default!r}. Env: {ENV_PREFIX}{name.upper()}."
@@ -126,7 +127,7 @@ def _is_dict(annotation: Any) -> bool:
 
 def _config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None,
                       cwd: Path | None = None) -> ServiceConfig:
-    cli = {name: getattr(args, name) for name in ServiceConfig.model_fields if hasattr(args, name)}
+    cli = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)}
     config_file = args.config if args.config is None or cwd is None else cwd / args.config
     return load_config(cli, config_file, environ)
 
@@ -227,7 +228,7 @@ def run_topics(args: argparse.Namespace) -> int:
     from kinference.consumer.topics import KAFKA_MESSAGE_MAX_BYTES, create_topics, differences
 
     config = _config_from_args(args)
-    ignored = sorted(name for name in ServiceConfig.model_fields
+    ignored = sorted(name for name in OPTIONS
                      if getattr(args, name, None) is not None and name not in _TOPICS_FIELDS)
     if ignored:
         print("note: ignored by topics create: " + ", ".join("--" + name.replace("_", "-") for name in ignored),

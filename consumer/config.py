@@ -1,8 +1,10 @@
 """The one configuration object of the service, and how it is loaded.
 
 Every field has a default, an env var (``KINFERENCE_`` + the field name upper-cased), a CLI flag
-(``--`` + the field name with dashes) and a YAML key (the field name). Precedence, highest first:
-CLI flag, env var, YAML file (``--config``), the model's own batch settings (a TorchServe archive's),
+(``--`` + the field name with dashes) and a YAML key (the field name); ``OPTIONS`` lists them. The batching
+fields live in one ``Batching`` model, which the service (``ServiceConfig.batching``) and each of several models
+(``ModelSpec``) share, yet stay top-level options outside. Precedence, highest first: CLI flag, env var, YAML file
+(``--config``), the model's own batch settings (its handler's ``batching_defaults``: a TorchServe archive's),
 default. ``ServiceConfig`` is frozen and validated at construction, so a bad value fails at start with a
 message that names the field.
 """
@@ -20,6 +22,7 @@ from typing import Annotated, Any, Literal
 import orjson
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from kinference.errors import ConfigError, HandlerLoadError
 from kinference.protocol import _NEXT_PAIR
@@ -77,6 +80,10 @@ def _split_csv(value: Any) -> Any:
     return value
 
 
+def _parallelism(value: Any) -> Any:
+    """``preprocess=2,inference=1`` from a flag or env var, or a mapping (YAML, JSON)."""
+    value = _key_values(value) if isinstance(value, str) else value
+    return {k: int(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
 def _key_values(value: Any) -> Any:
@@ -99,6 +106,80 @@ def _key_values(value: Any) -> Any:
     return value
 
 
+class Batching(BaseModel):
+    """How one model's requests are batched and run: the batcher's policy and limits, and the stage threads.
+
+    ``ServiceConfig.batching`` holds the service's; a ``models`` entry may override any field for its model.
+    Outside, each field is a top-level option like any other (``--max-batch-size``, ``KINFERENCE_MAX_BATCH_SIZE``,
+    ``max_batch_size:``), in a ``models`` entry too: ``_fold_batching`` moves them in here."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    batch_policy: Literal["adaptive", "greedy", "static"] = Field(
+        "adaptive",
+        description="adaptive: dispatch at once unless the learned batch cost says waiting raises "
+        "throughput within target_latency_ms; greedy: dispatch as soon as inference has room; static: wait "
+        "for a full batch or max_batch_delay_ms (TorchServe).",
+    )
+    max_batch_size: int = Field(32, ge=1, le=4096, description="Most requests in one batch.")
+    max_batch_tokens: int | None = Field(
+        8192, ge=1, description="Most padded tokens (longest x count) in one batch, for handlers that count "
+        "tokens; waiting requests are then grouped by length (0 or none: count requests only).",
+    )
+    max_batch_delay_ms: float = Field(
+        20.0, ge=0, le=60_000, description="static: longest wait for a full batch, from the oldest arrival; "
+        "adaptive: longest a batch is held open.",
+    )
+    target_latency_ms: float = Field(
+        100.0, gt=0, le=600_000, description="adaptive: hold a batch open only while its oldest request "
+        "can still be answered within this.",
+    )
+    max_batch_bytes: int | None = Field(
+        8_388_608, ge=1, description="Most bytes of request values in one batch (a larger request runs alone)."
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Split batches into micro-batches of this size (default: no split)."
+    )
+    parallelism: Parallelism = Field(Parallelism(), description="Threads per stage.")
+    handler_timeout_s: float = Field(
+        300.0, gt=0, le=86_400, description="The longest one preprocess, inference or postprocess call may run: "
+        "past it the micro-batch's requests get handler_timeout (and are dead-lettered), and the model is unhealthy "
+        "(/healthz 503 naming it; kinference serve exits 1). The default leaves room for a first CUDA or "
+        "torch.compile compile of a new batch shape and for a cold cache.",
+    )
+
+    _parallelism_pairs = field_validator("parallelism", mode="before")(_parallelism)
+
+    @field_validator("max_batch_tokens", mode="before")
+    @classmethod
+    def _no_token_budget(cls, value: Any) -> Any:
+        """``0`` or ``none`` turns the token budget off (a flag or env var cannot say null)."""
+        return None if value in (0, "0") or (isinstance(value, str) and value.lower() in ("none", "null")) else value
+
+    @model_validator(mode="after")
+    def _micro_batches_fit(self) -> Batching:
+        if self.micro_batch_size is not None and self.micro_batch_size > self.max_batch_size:
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) must not exceed max_batch_size "
+                f"({self.max_batch_size})"
+            )
+        return self
+
+
+def _fold_batching(data: Any) -> Any:
+    """Move the top-level batching fields of a config's input (``max_batch_size: 4``) into its ``batching``
+    mapping, over what that already holds."""
+    if not isinstance(data, Mapping) or not data.keys() & Batching.model_fields.keys():
+        return data
+    given = data.get("batching", {})
+    if isinstance(given, Batching):
+        given = given.model_dump(exclude_unset=True)  # what was set stays set: over the handler's defaults
+    if not isinstance(given, Mapping):
+        return data  # the field's own validation says what is wrong
+    flat = {key: value for key, value in data.items() if key in Batching.model_fields}
+    return {**{key: value for key, value in data.items() if key not in flat}, "batching": {**given, **flat}}
+
+
 class ModelSpec(BaseModel):
     """One of several models served by one process (``models``). Each has its own handler, batcher and stage
     threads; every batching field left out (null) is the service's own (``--max-batch-size``...)."""
@@ -112,15 +193,19 @@ class ModelSpec(BaseModel):
     handler_options: dict[str, Any] = {}
     request_topics: list[str] = []
     """Request topics whose records this model serves unless a record names another (``kinference-model``)."""
-    batch_policy: Literal["adaptive", "greedy", "static"] | None = None
-    max_batch_size: int | None = Field(None, ge=1, le=4096)
-    max_batch_tokens: int | None = Field(None, ge=0)
-    max_batch_delay_ms: float | None = Field(None, ge=0, le=60_000)
-    target_latency_ms: float | None = Field(None, gt=0, le=600_000)
-    max_batch_bytes: int | None = Field(None, ge=1)
-    micro_batch_size: int | None = Field(None, ge=1)
-    parallelism: Parallelism | None = None
-    handler_timeout_s: float | None = Field(None, gt=0, le=86_400)
+    batching: dict[str, Any] = {}
+    """This model's own batching fields, given flat like the service's (``max_batch_size: 4``); each one left out
+    or null is the service's. Validated with the service's, as one ``Batching``, by ``ServiceConfig``."""
+
+    _fold = model_validator(mode="before")(_fold_batching)
+
+    @field_validator("batching")
+    @classmethod
+    def _overrides(cls, overrides: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(overrides.keys() - Batching.model_fields.keys())
+        if unknown:
+            raise ValueError(f"not batching fields: {', '.join(unknown)}")
+        return {key: value for key, value in overrides.items() if value is not None}
 
     _split = field_validator("request_topics", mode="before")(_split_csv)
     _pairs = field_validator("handler_options", mode="before")(_key_values)
@@ -217,38 +302,8 @@ class ServiceConfig(BaseModel):
     )
 
     # --- Batching
-    batch_policy: Literal["adaptive", "greedy", "static"] = Field(
-        "adaptive",
-        description="adaptive: dispatch at once unless the learned batch cost says waiting raises "
-        "throughput within target_latency_ms; greedy: dispatch as soon as inference has room; static: wait "
-        "for a full batch or max_batch_delay_ms (TorchServe).",
-    )
-    max_batch_size: int = Field(32, ge=1, le=4096, description="Most requests in one batch.")
-    max_batch_tokens: int | None = Field(
-        8192, ge=1, description="Most padded tokens (longest x count) in one batch, for handlers that count "
-        "tokens; waiting requests are then grouped by length (0 or none: count requests only).",
-    )
-    max_batch_delay_ms: float = Field(
-        20.0, ge=0, le=60_000, description="static: longest wait for a full batch, from the oldest arrival; "
-        "adaptive: longest a batch is held open.",
-    )
-    target_latency_ms: float = Field(
-        100.0, gt=0, le=600_000, description="adaptive: hold a batch open only while its oldest request "
-        "can still be answered within this.",
-    )
-    max_batch_bytes: int | None = Field(
-        8_388_608, ge=1, description="Most bytes of request values in one batch (a larger request runs alone)."
-    )
-    micro_batch_size: int | None = Field(
-        None, ge=1, description="Split batches into micro-batches of this size (default: no split)."
-    )
-    parallelism: Parallelism = Field(Parallelism(), description="Threads per stage.")
-    handler_timeout_s: float = Field(
-        300.0, gt=0, le=86_400, description="The longest one preprocess, inference or postprocess call may run: "
-        "past it the micro-batch's requests get handler_timeout (and are dead-lettered), and the model is unhealthy "
-        "(/healthz 503 naming it; kinference serve exits 1). The default leaves room for a first CUDA or "
-        "torch.compile compile of a new batch shape and for a cold cache.",
-    )
+    batching: Batching = Field(Batching(), description="How requests are batched and run: the options "
+                               "batch_policy to handler_timeout_s, each given on its own (--max-batch-size...).")
     torch_threads: int | None = Field(
         None, ge=1, le=1024, description="torch intra-op threads (default: torch's own, one per core).",
     )
@@ -356,6 +411,7 @@ class ServiceConfig(BaseModel):
         "say (pip install 'kinference[otel]'; docs/tracing.md).",
     )
 
+    _fold = model_validator(mode="before")(_fold_batching)
     _split = field_validator("request_topics", "reply_topics_allowed", mode="before")(_split_csv)
     _pairs = field_validator("handler_options", mode="before")(_key_values)
 
@@ -405,12 +461,6 @@ class ServiceConfig(BaseModel):
                 parsed[key] = value
         return parsed
 
-    @field_validator("parallelism", mode="before")
-    @classmethod
-    def _parallelism(cls, value: Any) -> Any:
-        value = _key_values(value) if isinstance(value, str) else value
-        return {k: int(v) for k, v in value.items()} if isinstance(value, dict) else value
-
     @field_validator("models", mode="before")
     @classmethod
     def _models_json(cls, value: Any) -> Any:
@@ -422,12 +472,6 @@ class ServiceConfig(BaseModel):
                 raise ValueError(f"models must be a JSON list of objects: {exc}") from exc
         return value
 
-    @field_validator("max_batch_tokens", mode="before")
-    @classmethod
-    def _no_token_budget(cls, value: Any) -> Any:
-        """``0`` or ``none`` turns the token budget off (a flag or env var cannot say null)."""
-        return None if value in (0, "0") or (isinstance(value, str) and value.lower() in ("none", "null")) else value
-
     @field_validator("request_topics")
     @classmethod
     def _distinct(cls, topics: list[str]) -> list[str]:
@@ -436,20 +480,25 @@ class ServiceConfig(BaseModel):
         return topics
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> ServiceConfig:
+    def _check_topics(self) -> ServiceConfig:
         for topic in (self.reply_topic, self.dead_letter_topic):
             if topic in self.request_topics:
                 raise ValueError(f"{topic!r} is both a request topic and a reply/dead-letter topic")
-        if self.micro_batch_size is not None and self.micro_batch_size > self.max_batch_size:
-            raise ValueError(
-                f"micro_batch_size ({self.micro_batch_size}) must not exceed max_batch_size "
-                f"({self.max_batch_size})"
-            )
-        if self.max_in_flight < self.max_batch_size:
+        return self
+
+    @model_validator(mode="after")
+    def _check_flow_control(self) -> ServiceConfig:
+        if self.max_in_flight < self.batching.max_batch_size:
             raise ValueError(
                 f"max_in_flight ({self.max_in_flight}) must be at least max_batch_size "
-                f"({self.max_batch_size}), or batches could never fill"
+                f"({self.batching.max_batch_size}), or batches could never fill"
             )
+        if self.resume_in_flight is not None and self.resume_in_flight >= self.max_in_flight:
+            raise ValueError("resume_in_flight must be below max_in_flight")
+        return self
+
+    @model_validator(mode="after")
+    def _check_record_sizes(self) -> ServiceConfig:
         message_max = int(self.producer_config().get("message.max.bytes", _LIBRDKAFKA_MESSAGE_MAX_BYTES))
         if self.dead_letter_max_bytes > message_max:
             raise ValueError(
@@ -465,36 +514,66 @@ class ServiceConfig(BaseModel):
                 f"max_request_bytes + max_header_bytes + {_DEAD_LETTER_OVERHEAD} = {self.dead_letter_max_bytes}; "
                 "raise it, or lower max_request_bytes"
             )
-        if self.resume_in_flight is not None and self.resume_in_flight >= self.max_in_flight:
-            raise ValueError("resume_in_flight must be below max_in_flight")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kafka_properties(self) -> ServiceConfig:
+        """Pass-through properties may not undo what the commit rule and the delivery modes rely on, nor
+        shadow a first-class option."""
         for key, value in self.consumer_config().items():
             if key in _PINNED_CONSUMER and value != _PINNED_CONSUMER[key]:
                 raise ValueError(f"{key} must stay {_PINNED_CONSUMER[key]}: kinference commits offsets itself")
-        if (self.delivery == "exactly-once"
-                and self.consumer_config().get("isolation.level", "").lower() == "read_uncommitted"):
-            raise ValueError(
-                "isolation.level=read_uncommitted with delivery exactly-once would serve the requests of aborted "
-                "producer transactions, requests that never happened, and commit their replies: remove it (the "
-                "default read_committed), or use delivery at-least-once")
         producer = self.producer_config()
         for key, allowed in _PINNED_PRODUCER.items():
             if producer.get(key, allowed[0]).lower() not in allowed:
                 raise ValueError(f"{key} must stay {allowed[0]}: without it a reply can be lost or written twice "
                                  "by the producer's own retries")
+        for option in ("kafka", "kafka_consumer", "kafka_producer"):
+            for key in getattr(self, option).keys() & _OWNED_PROPERTIES.keys():
+                field = _OWNED_PROPERTIES[key]
+                raise ValueError(
+                    f"the Kafka property {key} is set by --{field.replace('_', '-')} "
+                    f"({ENV_PREFIX}{field.upper()}, {field}: in YAML); remove it from {option}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _check_exactly_once(self) -> ServiceConfig:
+        if self.delivery != "exactly-once":
+            return self
+        if self.consumer_config().get("isolation.level", "").lower() == "read_uncommitted":
+            raise ValueError(
+                "isolation.level=read_uncommitted with delivery exactly-once would serve the requests of aborted "
+                "producer transactions, requests that never happened, and commit their replies: remove it (the "
+                "default read_committed), or use delivery at-least-once")
+        if self.group_type == "share":
+            raise ValueError("exactly-once commits offsets in the reply transaction, and a share group has no offsets "
+                             "to commit (KIP-932 acknowledges records one by one, outside any transaction): use "
+                             "--group-type share with --delivery at-least-once, or a consumer group for exactly-once")
+        return self
+
+    @model_validator(mode="after")
+    def _check_producer_stall(self) -> ServiceConfig:
+        if self.producer_stall_timeout_s is None:
+            return self
         delivery_timeout_s = self.delivery_timeout_ms / 1000 or math.inf  # librdkafka: 0 is no limit
-        if self.producer_stall_timeout_s is not None and delivery_timeout_s == math.inf:
+        if delivery_timeout_s == math.inf:
             raise ValueError(
                 "producer_stall_timeout_s cannot be set with message.timeout.ms=0: librdkafka then never times a "
                 "delivery out, so no wait is long enough to tell a dead producer from a slow broker, and replacing "
                 "the idempotent producer gives up its de-duplication; leave it unset (the producer is then replaced "
                 "only on a fatal error), or set a message.timeout.ms"
             )
-        if self.producer_stall_timeout_s is not None and self.producer_stall_timeout_s <= delivery_timeout_s:
+        if self.producer_stall_timeout_s <= delivery_timeout_s:
             raise ValueError(
                 f"producer_stall_timeout_s ({self.producer_stall_timeout_s:g}) must exceed librdkafka's delivery "
                 f"timeout (message.timeout.ms: {delivery_timeout_s:g} s): before it, a slow delivery is not a "
                 "dead producer, and replacing the idempotent producer gives up its de-duplication"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_schema_registry(self) -> ServiceConfig:
         if self.value_format != "json" and self.schema_registry_url is None:
             raise ValueError(f"value_format {self.value_format} needs the Schema Registry: set schema_registry_url")
         if self.value_format != "json" and self.request_format == "oip":
@@ -505,24 +584,12 @@ class ServiceConfig(BaseModel):
         for key in _REGISTRY_NUMBERS & self.schema_registry.keys():
             if not re.fullmatch(r"\d+(\.\d*)?", self.schema_registry[key].get_secret_value()):
                 raise ValueError(f"schema_registry {key} must be a number")
-        self._check_models()
-        if self.group_type == "share" and self.delivery == "exactly-once":
-            raise ValueError("exactly-once commits offsets in the reply transaction, and a share group has no offsets "
-                             "to commit (KIP-932 acknowledges records one by one, outside any transaction): use "
-                             "--group-type share with --delivery at-least-once, or a consumer group for exactly-once")
-        for option in ("kafka", "kafka_consumer", "kafka_producer"):
-            for key in getattr(self, option):
-                if key in _OWNED_PROPERTIES:
-                    field = _OWNED_PROPERTIES[key]
-                    raise ValueError(
-                        f"the Kafka property {key} is set by --{field.replace('_', '-')} "
-                        f"({ENV_PREFIX}{field.upper()}, {field}: in YAML); remove it from {option}"
-                    )
         return self
 
-    def _check_models(self) -> None:
+    @model_validator(mode="after")
+    def _check_models(self) -> ServiceConfig:
         if not self.models:
-            return
+            return self
         names = [spec.name for spec in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be distinct: {', '.join(names)}")
@@ -540,29 +607,43 @@ class ServiceConfig(BaseModel):
                     raise ValueError(f"request topic {topic!r} is mapped to two models: {owner[topic]} and "
                                      f"{spec.name}")
                 owner[topic] = spec.name
-            try:
+            try:  # the handler's own defaults come when the model is built: resolving a handler imports it
                 self.for_model(spec)
             except ValidationError as exc:
-                problems = "; ".join(f"{'.'.join(map(str, error['loc'])) or 'config'}: {error['msg']}"
-                                     for error in exc.errors())
-                raise ValueError(f"model {spec.name}: {problems}") from None
+                raise ValueError(f"model {spec.name}: {_problems(exc)}") from None
+        return self
 
-    def for_model(self, spec: ModelSpec) -> ServiceConfig:
-        """The settings one model is served with: the service's, with the model's own fields in place."""
-        # max_batch_tokens 0 stays 0 here: the derived config's own validator turns it into "no budget".
-        own = spec.model_dump(exclude={"name", "version", "request_topics"}, exclude_none=True)
+    def for_model(self, spec: ModelSpec, handler_defaults: Mapping[str, Any] | None = None) -> ServiceConfig:
+        """The settings one model is served with: the service's, with the model's own fields in place. Its
+        batching: the service's, then its handler's defaults for it (a TorchServe archive's), then its own."""
+        own = spec.model_dump(include={"handler", "model", "handler_options"}, exclude_none=True)
         values = {name: getattr(self, name) for name in type(self).model_fields}
-        try:  # a TorchServe archive's own batch settings come before the model's, as for a single model
-            archive = _model_settings({"handler": spec.handler, "model": spec.model,
-                                       "handler_options": spec.handler_options})
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-        return ServiceConfig(**{**values, **archive, **own, "model_name": spec.name, "model_version": spec.version,
-                                "models": []})
+        batching = {**self.batching.model_dump(), **(handler_defaults or {}), **spec.batching}
+        return ServiceConfig(**{**values, **own, "batching": batching, "model_name": spec.name,
+                                "model_version": spec.version, "models": []})
 
     def model_configs(self) -> list[ServiceConfig]:
-        """The settings of each served model, the default (first) one first: with no ``models``, this one."""
-        return [self.for_model(spec) for spec in self.models] if self.models else [self]
+        """The settings of each served model, the default (first) one first: with no ``models``, this one. Each
+        with its handler's batching defaults for its model in place (``Handler.batching_defaults``): over the
+        service's batching for a ``models`` entry, under every batching option given for the one model."""
+        if not self.models:
+            defaults = _handler_defaults(self.handler, self.model, self.handler_options)
+            return [self._under_given(defaults) if defaults else self]
+        configs = []
+        for spec in self.models:
+            try:
+                configs.append(self.for_model(spec, _handler_defaults(spec.handler, spec.model, spec.handler_options)))
+            except (ValidationError, ConfigError) as exc:
+                raise ConfigError(f"invalid configuration: model {spec.name}: {_problems(exc)}") from exc
+        return configs
+
+    def _under_given(self, defaults: Mapping[str, Any]) -> ServiceConfig:
+        """This config with ``defaults`` for the batching fields that no flag, env var or YAML key set."""
+        values = {name: getattr(self, name) for name in type(self).model_fields}
+        try:
+            return ServiceConfig(**{**values, "batching": {**defaults, **self.batching.model_dump(exclude_unset=True)}})
+        except ValidationError as exc:
+            raise ConfigError(describe_errors(exc)) from exc
 
     def model_topics(self) -> dict[str, str]:
         """Request topic -> the name of the model that serves its records."""
@@ -689,11 +770,23 @@ class ServiceConfig(BaseModel):
         return {"url": self.schema_registry_url, **given}
 
 
+def _options() -> dict[str, FieldInfo]:
+    options: dict[str, FieldInfo] = {}
+    for name, field in ServiceConfig.model_fields.items():
+        options.update(Batching.model_fields if name == "batching" else {name: field})
+    return options
+
+
+OPTIONS = _options()
+"""Every option by name, as flags, env vars, YAML keys and docs/configuration.md list them: ``ServiceConfig``'s
+fields, with ``Batching``'s in place of ``batching``."""
+
+
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``KINFERENCE_MAX_BATCH_SIZE=8`` -> ``{"max_batch_size": "8"}`` for every known field."""
+    """``KINFERENCE_MAX_BATCH_SIZE=8`` -> ``{"max_batch_size": "8"}`` for every option."""
     environ = os.environ if environ is None else environ
     overrides = {}
-    for name in ServiceConfig.model_fields:
+    for name in OPTIONS:
         value = environ.get(ENV_PREFIX + name.upper())
         if value is not None:
             overrides[name] = value
@@ -705,13 +798,12 @@ def load_config(
     config_file: Path | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> ServiceConfig:
-    """Merge default < the model's settings < YAML < env < CLI and validate; raise ``ConfigError`` with every
-    problem listed.
+    """Merge default < YAML < env < CLI and validate; raise ``ConfigError`` with every problem listed.
 
     Key/value options merge key by key across the layers (``kafka`` from a YAML file plus
     ``KINFERENCE_KAFKA`` with the SASL password from a secret); every other option is replaced whole. The
-    model's settings are those a TorchServe archive carries for itself (``--handler torchserve``: batch size,
-    delay, micro-batching), so that it is served as TorchServe would batch it unless told otherwise.
+    model's own settings (a TorchServe archive's batch size, delay, micro-batching), which go between the
+    defaults and YAML, come in ``model_configs``, where the handler is resolved: resolving it imports it.
     """
     layers = [
         read_yaml(config_file) if config_file is not None else {},
@@ -726,22 +818,20 @@ def load_config(
                     values[key] = {**_key_values(values[key]), **_key_values(value)}
                 else:
                     values[key] = value
-        return ServiceConfig(**{**_model_settings(values), **values})
+        return ServiceConfig(**values)
     except ValidationError as exc:
         raise ConfigError(describe_errors(exc)) from exc
     except ValueError as exc:  # a malformed key=value item, found while merging
         raise ConfigError(f"invalid configuration: {exc}") from exc
 
 
-def _model_settings(values: dict[str, Any]) -> dict[str, Any]:
-    """The batch settings of a TorchServe archive (its model-config YAML, and ``ts_config``'s config.properties)."""
-    if values.get("handler") != "torchserve" or not values.get("model"):
-        return {}
-    from kinference.handlers.torchserve_archive import batch_settings
+def _handler_defaults(handler: str, model: Path | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The batching settings the handler asks for ``model`` (a TorchServe archive's), as batching fields."""
+    from kinference.handlers import handler_class
 
-    ts_config = _key_values(values.get("handler_options") or {}).get("ts_config")
+    resolved = handler_class(handler)  # a handler that cannot load says so as the service says it: HandlerLoadError
     try:
-        return batch_settings(Path(values["model"]), Path(ts_config) if ts_config else None)
+        return resolved.batching_defaults(model, options)
     except HandlerLoadError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -756,11 +846,23 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return {str(key).replace("-", "_"): value for key, value in data.items()}
 
 
+def _option_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """Where a problem is, as the user names it: batching fields are options of their own."""
+    return loc[1:] if loc[:1] == ("batching",) else loc
+
+
+def _problems(exc: Exception) -> str:
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    return "; ".join(f"{'.'.join(map(str, _option_loc(error['loc']))) or 'config'}: {error['msg']}"
+                     for error in exc.errors())
+
+
 def describe_errors(exc: ValidationError) -> str:
     lines = ["invalid configuration:"]
     for error in exc.errors():
-        field = ".".join(str(part) for part in error["loc"]) or "config"
-        flag = "--" + str(error["loc"][0]).replace("_", "-") if error["loc"] else ""
-        where = f"{field} ({flag}, {ENV_PREFIX}{str(error['loc'][0]).upper()})" if flag else field
+        loc = _option_loc(error["loc"])
+        field = ".".join(str(part) for part in loc) or "config"
+        where = f"{field} (--{str(loc[0]).replace('_', '-')}, {ENV_PREFIX}{str(loc[0]).upper()})" if loc else field
         lines.append(f"  {where}: {error['msg']}")
     return "\n".join(lines)

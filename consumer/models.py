@@ -25,7 +25,7 @@ from kinference.consumer.metrics import Metrics
 from kinference.consumer.oip import ServedModel as OipModel
 from kinference.consumer.request import Request
 from kinference.consumer.router import ModelRoute, Router
-from kinference.consumer.stages import Pipeline
+from kinference.consumer.stages import ModelRun, Pipeline
 from kinference.consumer.types import PartitionKey
 from kinference.errors import ConfigError, RequestError
 from kinference.handlers import Handler, HandlerContext, load_handler
@@ -94,9 +94,10 @@ class Models:
     def setup(self, device: str, metrics: Metrics, host_dir: Path | None) -> None:
         """Load every model's weights, on the one device."""
         for settings, handler in self.handlers:
+            batching = settings.batching
             handler.setup(HandlerContext(device=device, model=_path(settings.model),
                                          options=dict(settings.handler_options),
-                                         max_batch_size=settings.micro_batch_size or settings.max_batch_size,
+                                         max_batch_size=batching.micro_batch_size or batching.max_batch_size,
                                          registry=metrics.registry, host_dir=host_dir))
 
     def build(self, answer: Answer, metrics: Metrics, tracing: Tracing | None) -> Router:
@@ -116,29 +117,11 @@ class Models:
         name = settings.model_name or handler.describe().get("model") or settings.handler
         served = (None if settings.request_format == "kinference" or settings.value_format != "json"
                   else OipModel(name, settings.model_version, settings.request_format))
-        batcher = Batcher(
-            settings.batch_policy, settings.max_batch_size, settings.max_batch_delay_ms, reject=self.answer_now,
-            max_batch_tokens=settings.max_batch_tokens, max_batch_bytes=settings.max_batch_bytes,
-            max_queue_ms=settings.max_queue_ms, target_latency_ms=settings.target_latency_ms)
+        batcher = Batcher(settings.batching, self.answer_now, max_queue_ms=settings.max_queue_ms)
         cost = batcher.cost
         metrics.batch_cost_fixed.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
         metrics.batch_cost_per_unit.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
-        pipeline = Pipeline(
-            handler,
-            batcher.next_batch,
-            answer,
-            preprocess_threads=settings.parallelism.preprocess,
-            inference_threads=settings.parallelism.inference,
-            postprocess_threads=settings.parallelism.postprocess,
-            max_batch_size=settings.max_batch_size,
-            micro_batch_size=settings.micro_batch_size,
-            metrics=metrics,
-            observe=batcher.observe,
-            wake=batcher.wake,
-            tracing=tracing,
-            model=name,
-            handler_timeout_s=settings.handler_timeout_s,
-        )
+        pipeline = Pipeline(ModelRun(name, handler, settings.batching), batcher, answer, metrics, tracing)
         route = ModelRoute(name, settings.model_version, handler.payload_format, served)
         return LoadedModel(settings, handler, route, batcher, pipeline, max_in_flight=None)
 
@@ -147,11 +130,11 @@ class Models:
         for model in self.loaded:
             model.pipeline.start()
             metrics.model.labels(model.name).info(_info_labels(model.handler.describe()))
-            settings = model.config
+            batching = model.config.batching
             log.info("model %s ready: %s; batching: %s policy, max_batch_size=%d, max_batch_delay_ms=%g, "
                      "micro_batch_size=%s, parallelism %s", model.name, model.handler.describe(),
-                     settings.batch_policy, settings.max_batch_size, settings.max_batch_delay_ms,
-                     settings.micro_batch_size, settings.parallelism.model_dump())
+                     batching.batch_policy, batching.max_batch_size, batching.max_batch_delay_ms,
+                     batching.micro_batch_size, batching.parallelism.model_dump())
 
     # --- the intake's side (the poll thread)
 

@@ -18,10 +18,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from kinference.consumer.config import Batching
 from kinference.consumer.logs import about
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
@@ -35,8 +36,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _STOP = object()
-DEFAULT_MODEL = "default"
-"""The ``model`` label of a pipeline built without a model's name (one unnamed model)."""
 _POLL_S = 0.1
 
 
@@ -140,6 +139,18 @@ class MicroBatch:
         self.active = []
 
 
+@dataclass(frozen=True, slots=True)
+class PoolsShare:
+    """What the three stage pools of one pipeline have in common."""
+
+    model: str
+    """The model whose stages these are: the metrics' label."""
+    metrics: Metrics
+    inbox_size: int
+    abandon: threading.Event
+    """Set when the shutdown deadline passed: a full inbox then stops waiting."""
+
+
 class StagePool:
     """``threads`` workers running ``work`` on each micro-batch from ``inbox``, then ``forward``.
 
@@ -153,18 +164,13 @@ class StagePool:
         work: Callable[[MicroBatch], None],
         forward: Callable[[MicroBatch], None],
         threads: int,
-        inbox_size: int,
-        metrics: Metrics,
-        abandon: threading.Event,
+        shared: PoolsShare,
         prepare: Callable[[], None] | None = None,
-        model: str = DEFAULT_MODEL,
     ) -> None:
-        """``abandon`` is set when the shutdown deadline passed: a full inbox then stops waiting. ``model`` is the
-        metrics' label: the model whose stage this is."""
         self.name = name
-        self._abandon = abandon
-        self._seconds = metrics.stage_seconds.labels(model, name)
-        self.inbox: queue.Queue[Any] = queue.Queue(maxsize=inbox_size)
+        self._abandon = shared.abandon
+        self._seconds = shared.metrics.stage_seconds.labels(shared.model, name)
+        self.inbox: queue.Queue[Any] = queue.Queue(maxsize=shared.inbox_size)
         self._work = work
         self._forward = forward
         self._threads = [
@@ -265,36 +271,47 @@ class StagePool:
                          exc_info=True, extra=about(micro_batch.requests[0]))
 
 
+class Batches(Protocol):
+    """Where a pipeline takes its batches from: the model's batcher (``batcher.Batcher``)."""
+
+    def next_batch(self, timeout_s: float, only_full: Callable[[], bool]) -> list[Request]:
+        """Blocks until a batch is due; while ``only_full()`` is true it may return only a full batch."""
+
+    def wake(self) -> None:
+        """Look again: an inference thread freed up."""
+
+    def observe(self, work: int, seconds: float) -> None:
+        """Learn the cost of an inference call."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRun:
+    """What a pipeline runs: a served model's name (its metrics' label, and its errors'), its handler, and how its
+    batches run (``Batching``: micro-batch size, threads per stage, handler timeout)."""
+
+    name: str
+    handler: Handler
+    batching: Batching
+
+
 class Pipeline:
-    """Pulls batches from ``next_batch`` while inference has room; hands finished requests to ``emit``."""
+    """Pulls batches from ``batches`` while inference has room; hands finished requests to ``emit``."""
 
     def __init__(
         self,
-        handler: Handler,
-        next_batch: Callable[[float, Callable[[], bool]], list[Request]],
+        run: ModelRun,
+        batches: Batches,
         emit: Callable[[list[Request]], None],
-        *,
-        preprocess_threads: int = 1,
-        inference_threads: int = 1,
-        postprocess_threads: int = 1,
-        max_batch_size: int,
-        micro_batch_size: int | None = None,
-        metrics: Metrics | None = None,
-        observe: Callable[[int, float], None] = lambda work, seconds: None,
-        wake: Callable[[], None] = lambda: None,
+        metrics: Metrics,
         tracing: Tracing | None = None,
-        model: str = DEFAULT_MODEL,
-        handler_timeout_s: float | None = None,
     ) -> None:
-        """``next_batch(timeout_s, only_full)`` blocks until a batch is due (``Batcher.next_batch``); while
-        ``only_full()`` is true it may return only a full batch. ``wake()`` makes it look again: called when an
-        inference thread frees up. ``observe(work, seconds)`` learns the cost of each inference call
-        (``Batcher.observe``). ``tracing``, when on, records a span per micro-batch and per stage call. ``model``
-        names the served model in the metrics and in errors. ``handler_timeout_s``: the longest a handler call may
-        run (``_watch``); None: no limit."""
-        self._handler = handler
+        """``tracing``, when on, records a span per micro-batch and per stage call. A handler call may run for
+        ``run.batching.handler_timeout_s`` at most (``_watch``)."""
+        batching, model = run.batching, run.name
+        self._handler = run.handler
         self._model = model
-        self._handler_timeout_s = handler_timeout_s
+        self._handler_timeout_s = batching.handler_timeout_s
+        threads = batching.parallelism
         self.stuck: str | None = None
         """Why the model is unhealthy: a handler call ran over the timeout (for good: the orchestrator restarts
         the process, the only way to get the thread back)."""
@@ -302,46 +319,43 @@ class Pipeline:
         self._in_progress = 0
         """Requests taken from the batcher and not yet handed on to be answered."""
         self._tracing = tracing
-        self._observe = observe
-        self._metrics = metrics = metrics or Metrics()
+        self._batches = batches
+        self._metrics = metrics
         self._batch_size = metrics.batch_size.labels(model)
         self._real_tokens = metrics.batch_real_tokens.labels(model)
         self._padded_tokens = metrics.batch_padded_tokens.labels(model)
-        self._next_batch = next_batch
         self._emit = emit
-        self._micro = micro_batch_size or max_batch_size
+        self._micro = batching.micro_batch_size or batching.max_batch_size
         # One batch per inference thread, and one more when a full batch waits (a backlog): taken and preprocessed
         # while inference runs, it waits in the inference queue, so an inference thread that finishes starts the
         # next batch at once instead of idling through the hand-offs to the dispatcher and the preprocess thread
         # (each one a wait for the GIL). Only a full batch: a partial one keeps waiting in the batcher, where its
         # policy may still grow it and its requests' deadlines are still checked, until a thread is free.
-        in_flight = inference_threads + 1
-        self._inference_threads = inference_threads
+        in_flight = threads.inference + 1
+        self._inference_threads = threads.inference
         self._slots = threading.Semaphore(in_flight)
         self._running = 0
         """Batches taken whose inference has not finished."""
         self._running_lock = threading.Lock()
-        self._wake = wake
-        parts_per_batch = -(-max_batch_size // self._micro)
-        # A slot admits one batch, so at most this many micro-batches wait in any one stage queue.
-        depth = in_flight * parts_per_batch + postprocess_threads
+        parts_per_batch = -(-batching.max_batch_size // self._micro)
         self._stopping = threading.Event()
         self._abandon = threading.Event()
         self._warm_up_lock = threading.Lock()
+        # A slot admits one batch, so at most this many micro-batches wait in any one stage queue.
+        shared = PoolsShare(model, metrics, in_flight * parts_per_batch + threads.postprocess, self._abandon)
         # Chosen once here, so that untraced stages do not even ask whether to trace.
         traced = tracing.stage if tracing is not None else _untraced
         self._post = StagePool("postprocess", traced("postprocess", self._postprocess), self._emit_micro_batch,
-                               postprocess_threads, depth, metrics, self._abandon, model=model)
+                               threads.postprocess, shared)
         # Each inference thread warms the model up itself: torch keeps a thread pool per calling thread, and
         # a model first run on another thread (measured: the one that called setup) runs 30-50% slower here.
         self._infer = StagePool("inference", traced("inference", self._inference), self._to_postprocess,
-                                inference_threads, depth, metrics, self._abandon, prepare=self._warm_up, model=model)
+                                threads.inference, shared, prepare=self._warm_up)
         self._pre = StagePool("preprocess", traced("preprocess", self._preprocess), self._infer.put,
-                              preprocess_threads, depth, metrics, self._abandon, model=model)
+                              threads.preprocess, shared)
         self._pools = (self._pre, self._infer, self._post)
         self._dispatcher = threading.Thread(target=self._dispatch, name="kinference-dispatch", daemon=True)
-        self._watchdog = (None if handler_timeout_s is None
-                          else threading.Thread(target=self._watch, name=f"kinference-watchdog-{model}", daemon=True))
+        self._watchdog = threading.Thread(target=self._watch, name=f"kinference-watchdog-{model}", daemon=True)
 
     def start(self) -> None:
         """Start the stage threads, once every inference thread has warmed the model up (its error, if
@@ -356,8 +370,7 @@ class Pipeline:
                 pool.stop(time.monotonic() + 5.0)
             raise
         self._dispatcher.start()
-        if self._watchdog is not None:
-            self._watchdog.start()
+        self._watchdog.start()
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop taking batches; finish those already taken within ``timeout_s``. False when a stage thread is
@@ -391,7 +404,6 @@ class Pipeline:
         unhealthy. The call goes on in its thread (Python cannot stop it); if it ever returns, its micro-batch
         passes the remaining stages empty and is not answered again (``_settle``)."""
         limit = self._handler_timeout_s
-        assert limit is not None
         while not self._stopping.wait(min(1.0, limit / 4)):
             now = time.monotonic()
             for pool in self._pools:
@@ -433,7 +445,7 @@ class Pipeline:
             if not self._slots.acquire(timeout=_POLL_S):
                 continue
             try:
-                batch = self._next_batch(_POLL_S, self._prefetching)
+                batch = self._batches.next_batch(_POLL_S, self._prefetching)
             except Exception:
                 log.exception("batcher failed; retrying")
                 batch = []
@@ -463,7 +475,7 @@ class Pipeline:
         with self._running_lock:
             self._running -= 1
         self._slots.release()
-        self._wake()
+        self._batches.wake()
 
     def _preprocess(self, micro_batch: MicroBatch) -> None:
         micro_batch.items = [request.item for request in micro_batch.active]
@@ -483,7 +495,7 @@ class Pipeline:
         for request in micro_batch.active:
             request.inference_ms = elapsed * 1000
         micro_batch.inputs = None
-        self._observe(micro_batch.work, elapsed)
+        self._batches.observe(micro_batch.work, elapsed)
 
     def _to_postprocess(self, micro_batch: MicroBatch) -> None:
         self._post.put(micro_batch)

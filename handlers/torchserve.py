@@ -46,7 +46,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +58,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kinference.errors import HandlerLoadError, InvalidInput, RequestError
 from kinference.handlers.base import Handler, HandlerContext, Record
 from kinference.handlers.options import one_of, with_defaults
-from kinference.handlers.torchserve_archive import Archive, opened
+from kinference.handlers.torchserve_archive import Archive, batch_settings, opened
 from kinference.protocol import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -110,11 +110,20 @@ class TorchServeHandler(Handler):
     payload_format = "record"
     defaults: dict[str, Any] = {"stages": "auto", "input_name": "body", "ts_config": None}
 
+    @classmethod
+    def batching_defaults(cls, model: Path | None, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The batch settings TorchServe would give the archive (``torchserve_archive.batch_settings``), so
+        that it is batched as TorchServe would batch it unless told otherwise."""
+        if model is None:
+            return {}
+        ts_config = options.get("ts_config")
+        return batch_settings(Path(model), Path(ts_config) if ts_config else None)
+
     def setup(self, context: HandlerContext) -> None:
         if _MISSING is not None:
             raise HandlerLoadError("the torchserve handler needs TorchServe's Python package: pip install "
                                    f"'kinference[torchserve]' ({_MISSING})")
-        # ts_config is read by the configuration loader (the batch settings); nothing more to do with it here.
+        # ts_config only gives batch settings (batching_defaults): nothing more to do with it here.
         options = with_defaults(self.name, self.defaults, context.options)
         stages = one_of(self.name, "stages", options["stages"], ("auto", "split", "whole"))
         self.input_name = one_of(self.name, "input_name", options["input_name"], ("body", "data"))

@@ -1,8 +1,8 @@
 """TorchServe model archives: a ``.mar`` file (zip, or tar.gz from ``--archive-format tgz``) or its extracted
 directory, its ``MAR-INF/MANIFEST.json``, and the batch settings TorchServe would have applied to it.
 
-Standard library and PyYAML only: the configuration loader reads the batch settings before anything imports
-torch or TorchServe (``kinference.handlers.torchserve`` serves the archive).
+Standard library and PyYAML only: the batch settings (``TorchServeHandler.batching_defaults``) are read without
+TorchServe and without extracting the archive (``kinference.handlers.torchserve`` serves it).
 """
 
 from __future__ import annotations

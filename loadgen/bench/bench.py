@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from kinference.consumer.broker import BROKER_KINDS, LOW_LATENCY_CONSUMER, local_broker
-from kinference.consumer.config import ServiceConfig
+from kinference.consumer.config import Batching, ServiceConfig
 from kinference.consumer.service import resolve_device
 from kinference.consumer.topics import create_topics
 from kinference.handlers import HandlerContext, load_handler
@@ -80,7 +80,7 @@ class KinferenceSetting:
     about: str
 
 
-_TOKEN_BUDGET = ServiceConfig.model_fields["max_batch_tokens"].default
+_TOKEN_BUDGET = Batching.model_fields["max_batch_tokens"].default
 # Every setting spells out its policy and token budget, so that the one matching kinference's defaults is found
 # by comparing these fields (default_setting), not by a name that could go stale when a default changes.
 KINFERENCE_SETTINGS: tuple[KinferenceSetting, ...] = (
@@ -105,14 +105,14 @@ def default_setting(settings: Sequence[KinferenceSetting] = KINFERENCE_SETTINGS)
     """The name of the setting ``kinference serve`` runs with no options, which the targets judge: the one
     whose batching fields equal ``ServiceConfig``'s defaults. ValueError unless exactly one does, or if
     a setting is not a valid ``ServiceConfig``."""
-    defaults = ServiceConfig()
+    defaults = ServiceConfig().batching
     matches = []
     for setting in settings:
         try:
-            config = ServiceConfig(**setting.overrides)
+            batching = ServiceConfig(**setting.overrides).batching
         except ValidationError as exc:
             raise ValueError(f"kinference setting {setting.name}: {exc}") from exc
-        if all(getattr(config, name) == getattr(defaults, name) for name in _BATCHING_FIELDS):
+        if all(getattr(batching, name) == getattr(defaults, name) for name in _BATCHING_FIELDS):
             matches.append(setting.name)
     if len(matches) != 1:
         wanted = ", ".join(f"{name}={getattr(defaults, name)!r}" for name in _BATCHING_FIELDS)

@@ -43,8 +43,8 @@ def test_service_embeddings_equal_transformers_one_text_at_a_time(broker, batchi
         produce(broker.bootstrap_servers, topics["requests"], records)
         replies = read(broker.bootstrap_servers, topics["replies"], len(texts), timeout_s=120)
         padded = service.metrics.registry.get_sample_value
-        if config.max_batch_tokens is not None:  # no micro-batch went over the budget
-            budget_bucket = min(b for b in (2048.0, 8192.0) if b >= config.max_batch_tokens)
+        if config.batching.max_batch_tokens is not None:  # no micro-batch went over the budget
+            budget_bucket = min(b for b in (2048.0, 8192.0) if b >= config.batching.max_batch_tokens)
             model = {"model": service.models.loaded[0].name}
             assert padded("kinference_batch_padded_tokens_bucket", {**model, "le": str(budget_bucket)}) == padded(
                 "kinference_batch_padded_tokens_count", model)

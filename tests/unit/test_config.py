@@ -3,7 +3,7 @@ import math
 import pytest
 
 from kinference.consumer.cli import build_parser
-from kinference.consumer.config import ServiceConfig, load_config
+from kinference.consumer.config import OPTIONS, ServiceConfig, load_config
 from kinference.errors import ConfigError
 
 
@@ -59,10 +59,12 @@ def test_precedence_cli_over_env_over_yaml(tmp_path):
     env = {"KINFERENCE_MAX_BATCH_SIZE": "16", "KINFERENCE_GROUP_ID": "from-env"}
     config = load_config({"group_id": "from-cli", "max_batch_size": None}, yaml_file, env)
     assert config.group_id == "from-cli"
-    assert config.max_batch_size == 16
-    assert config.max_batch_delay_ms == 7
-    assert config.micro_batch_size == 4
-    assert (config.parallelism.preprocess, config.parallelism.inference, config.parallelism.postprocess) == (2, 1, 2)
+    batching = config.batching
+    assert batching.max_batch_size == 16
+    assert batching.max_batch_delay_ms == 7
+    assert batching.micro_batch_size == 4
+    threads = batching.parallelism
+    assert (threads.preprocess, threads.inference, threads.postprocess) == (2, 1, 2)
 
 
 def test_cli_flags_follow_field_names_and_parse():
@@ -71,9 +73,9 @@ def test_cli_flags_follow_field_names_and_parse():
         "--kafka", "sasl.password=s3cret=x", "--handler-options", "top_k=3", "--parallelism",
         "preprocess=2,inference=1,postprocess=2", "--embedded-broker",
     ])
-    config = load_config({name: getattr(args, name) for name in ServiceConfig.model_fields}, environ={})
+    config = load_config({name: getattr(args, name) for name in OPTIONS}, environ={})
     assert config.request_topics == ["a", "b"]
-    assert config.max_batch_size == 8 and config.embedded_broker is True
+    assert config.batching.max_batch_size == 8 and config.embedded_broker is True
     assert config.handler_options == {"top_k": 3}
     assert config.consumer_config()["sasl.password"] == "s3cret=x"
     assert "s3cret" not in repr(config)  # pass-through values are secrets
@@ -81,7 +83,7 @@ def test_cli_flags_follow_field_names_and_parse():
 
 def test_every_field_has_a_flag_and_description():
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
-    for name, field in ServiceConfig.model_fields.items():
+    for name, field in OPTIONS.items():
         assert "--" + name.replace("_", "-") in help_text
         assert field.description
 
@@ -129,7 +131,7 @@ def test_every_option_is_documented():
     from pathlib import Path
 
     doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
-    for name, field in ServiceConfig.model_fields.items():
+    for name, field in OPTIONS.items():
         default = field.default.model_dump() if hasattr(field.default, "model_dump") else field.default
         row = f"| `--{name.replace('_', '-')}` | `{default!r}` | `KINFERENCE_{name.upper()}` |"
         assert row in doc, f"docs/configuration.md lacks or misstates: {row}"
@@ -166,7 +168,7 @@ def test_log_level_is_case_insensitive():
 
 def test_metrics_turn_off_with_a_switch():
     args = build_parser().parse_args(["serve", "--no-metrics"])
-    assert load_config({name: getattr(args, name) for name in ServiceConfig.model_fields}, environ={}).metrics is False
+    assert load_config({name: getattr(args, name) for name in OPTIONS}, environ={}).metrics is False
     assert load_config(environ={"KINFERENCE_METRICS": "false"}).metrics is False
     assert ServiceConfig().metrics is True
     with pytest.raises(ConfigError, match="metrics_port"):
@@ -210,11 +212,11 @@ def test_topic_plan_and_max_message_bytes_hold_a_maximal_dead_letter():
 
 
 def test_handler_timeout_has_a_flag_an_env_var_and_a_per_model_value():
-    assert ServiceConfig().handler_timeout_s == 300.0
-    assert load_config(environ={"KINFERENCE_HANDLER_TIMEOUT_S": "12.5"}).handler_timeout_s == 12.5
+    assert ServiceConfig().batching.handler_timeout_s == 300.0
+    assert load_config(environ={"KINFERENCE_HANDLER_TIMEOUT_S": "12.5"}).batching.handler_timeout_s == 12.5
     config = load_config({"handler_timeout_s": 60, "models": [{"name": "a", "handler": "echo", "handler_timeout_s": 5},
                                                               {"name": "b", "handler": "echo"}]}, environ={})
-    assert [model.handler_timeout_s for model in config.model_configs()] == [5.0, 60.0]
+    assert [model.batching.handler_timeout_s for model in config.model_configs()] == [5.0, 60.0]
     with pytest.raises(ConfigError, match="handler_timeout_s"):
         load_config({"handler_timeout_s": 0}, environ={})
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from kinference.consumer.cli import build_parser
-from kinference.consumer.config import ENV_PREFIX, ServiceConfig, load_config
+from kinference.consumer.config import ENV_PREFIX, OPTIONS, ServiceConfig, load_config
 from kinference.consumer.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kinference.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 ALERT_TESTS = DEPLOY / "prometheus" / "alerts_test.yml"
 YAML_FILES = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
-CONFIG_ENV_VARS = {ENV_PREFIX + name.upper() for name in ServiceConfig.model_fields}
+CONFIG_ENV_VARS = {ENV_PREFIX + name.upper() for name in OPTIONS}
 # What Grafana defines itself, plus the dashboard's own variables (checked below).
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__all"}
 _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
@@ -75,7 +75,7 @@ def literal_env(env: list[dict[str, Any]]) -> dict[str, str]:
 def serve_config(args: list[str], environ: dict[str, str]) -> ServiceConfig:
     """What ``kinference serve ARGS`` would run with: the real parser, then the real config loader."""
     parsed = build_parser().parse_args(["serve", *args])
-    return load_config({name: getattr(parsed, name) for name in ServiceConfig.model_fields}, parsed.config, environ)
+    return load_config({name: getattr(parsed, name) for name in OPTIONS}, parsed.config, environ)
 
 
 def k8s_config(tmp_path: Path, extra_env: dict[str, str] | None = None) -> ServiceConfig:
@@ -97,7 +97,7 @@ def k8s_config(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Servi
 def topics_config(args: list[str], environ: dict[str, str]) -> ServiceConfig:
     """What ``kinference topics create ARGS`` would make topics with: the real parser and config loader."""
     parsed = build_parser().parse_args(["topics", "create", *args])
-    return load_config({name: getattr(parsed, name) for name in ServiceConfig.model_fields}, parsed.config, environ)
+    return load_config({name: getattr(parsed, name) for name in OPTIONS}, parsed.config, environ)
 
 
 def compose_environment(service: dict[str, Any]) -> dict[str, str]:
@@ -243,7 +243,7 @@ def test_compose_kinference_services_configure_a_valid_service():
         assert config.kafka == created.kafka and config.bootstrap_servers == created.bootstrap_servers
         port = str(config.metrics_port)
         assert f"127.0.0.1:{port}/readyz" in " ".join(service["healthcheck"]["test"]), name
-    assert created.dead_letter_partitions == ServiceConfig.model_fields["dead_letter_partitions"].default
+    assert created.dead_letter_partitions == OPTIONS["dead_letter_partitions"].default
     assert created.replication_factor == 1  # one broker
     assert services["kinference-gpu"]["environment"]["KINFERENCE_DEVICE"] == "cuda"
 
@@ -583,7 +583,7 @@ def test_dockerfile_runs_kinference_serve_as_non_root_with_a_health_check():
     user = ops["USER"].split(":")[0]
     assert user.isdigit() and int(user) != 0, "a numeric non-root USER (Kubernetes runAsNonRoot checks it)"
     assert json.loads(ops["HEALTHCHECK"].split("CMD", 1)[1]) == ["kinference", "healthcheck"]
-    assert ops["EXPOSE"] == str(ServiceConfig.model_fields["metrics_port"].default)
+    assert ops["EXPOSE"] == str(OPTIONS["metrics_port"].default)
     assert ops["FROM"] == "${BASE_IMAGE}" and "BASE_IMAGE" in dockerfile_args()
 
 

@@ -72,10 +72,10 @@ def test_the_image_recipe_builds_on_the_image_and_runs_as_its_user():
     assert users[-1] == re.search(r"^USER (\S+)", dockerfile, re.M).group(1), "end as the image's non-root user"
     env = dict(shlex.split(item)[0].split("=", 1) for line in lines if line.startswith("ENV ")
                for item in line[4:].split())
-    from kinference.consumer.config import ENV_PREFIX, ServiceConfig
+    from kinference.consumer.config import ENV_PREFIX, OPTIONS
 
     assert {name for name in env if name.startswith(ENV_PREFIX)} <= {ENV_PREFIX + f.upper()
-                                                                    for f in ServiceConfig.model_fields}
+                                                                    for f in OPTIONS}
     module = env["KINFERENCE_HANDLER"].split(":")[0].replace(".", "/")
     copied = {line.split()[-1] for line in lines if line.startswith("COPY ")}
     assert any(f"{env['PYTHONPATH']}/{module.split('/')[0]}" == target for target in copied)
@@ -157,9 +157,9 @@ def all_flags() -> dict[str, set[str]]:
         for action in parser._actions:
             for option in action.option_strings:
                 flags.setdefault(option, set()).add(str(action.default))
-    from kinference.consumer.config import ServiceConfig
+    from kinference.consumer.config import OPTIONS
 
-    for name, field in ServiceConfig.model_fields.items():  # serve's flags show the config's defaults
+    for name, field in OPTIONS.items():  # serve's flags show the config's defaults
         flags.setdefault("--" + name.replace("_", "-"), set()).add(str(field.default))
     return flags
 

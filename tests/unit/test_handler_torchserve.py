@@ -81,16 +81,20 @@ def test_config_properties_models_override_the_archives_own_settings(tmp_path):
 
 def test_the_archives_settings_sit_below_every_layer_the_user_sets(tmp_path):
     archive = vector_archive(tmp_path, config=MICRO)
-    config = load_config({"handler": "torchserve", "model": str(archive)}, environ={})
-    assert (config.max_batch_size, config.max_batch_delay_ms, config.micro_batch_size) == (24, 35, 6)
-    assert (config.parallelism.preprocess, config.parallelism.inference, config.parallelism.postprocess) == (3, 1, 2)
+    (config,) = load_config({"handler": "torchserve", "model": str(archive)}, environ={}).model_configs()
+    batching = config.batching
+    assert (batching.max_batch_size, batching.max_batch_delay_ms, batching.micro_batch_size) == (24, 35, 6)
+    assert (batching.parallelism.preprocess, batching.parallelism.inference,
+            batching.parallelism.postprocess) == (3, 1, 2)
     yaml_file = tmp_path / "kinference.yaml"
     yaml_file.write_text("max_batch_delay_ms: 5\n")
-    config = load_config({"handler": "torchserve", "model": str(archive), "micro_batch_size": "4"}, yaml_file,
-                         environ={"KINFERENCE_MAX_BATCH_SIZE": "16"})
-    assert (config.max_batch_size, config.max_batch_delay_ms, config.micro_batch_size) == (16, 5, 4)
+    (config,) = load_config({"handler": "torchserve", "model": str(archive), "micro_batch_size": "4"}, yaml_file,
+                            environ={"KINFERENCE_MAX_BATCH_SIZE": "16"}).model_configs()
+    batching = config.batching
+    assert (batching.max_batch_size, batching.max_batch_delay_ms, batching.micro_batch_size) == (16, 5, 4)
     # Other handlers never look at the model's settings.
-    assert load_config({"handler": "echo", "model": str(archive)}, environ={}).max_batch_size == 32
+    (config,) = load_config({"handler": "echo", "model": str(archive)}, environ={}).model_configs()
+    assert config.batching.max_batch_size == 32
 
 
 def test_with_several_models_an_archives_settings_are_its_models_under_what_the_entry_sets(tmp_path):
@@ -99,7 +103,7 @@ def test_with_several_models_an_archives_settings_are_its_models_under_what_the_
         {"name": "echo", "handler": "echo"},
         {"name": "vectors", "handler": "torchserve", "model": str(archive), "micro_batch_size": 4},
     ]).decode()}, environ={})
-    echo, vectors = config.model_configs()
+    echo, vectors = (model.batching for model in config.model_configs())
     assert (echo.max_batch_size, echo.micro_batch_size) == (16, None)  # the service's own
     assert (vectors.max_batch_size, vectors.max_batch_delay_ms, vectors.micro_batch_size) == (24, 35, 4)
     assert (vectors.parallelism.preprocess, vectors.parallelism.postprocess) == (3, 2)
@@ -109,7 +113,7 @@ def test_a_file_that_is_not_an_archive_is_a_configuration_error(tmp_path):
     not_an_archive = tmp_path / "model.mar"
     not_an_archive.write_bytes(b"not a zip")
     with pytest.raises(ConfigError, match=r"neither a \.mar"):
-        load_config({"handler": "torchserve", "model": str(not_an_archive)}, environ={})
+        load_config({"handler": "torchserve", "model": str(not_an_archive)}, environ={}).model_configs()
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(HandlerLoadError, match=r"no MAR-INF/MANIFEST\.json"):
@@ -295,7 +299,7 @@ def test_a_config_file_outside_the_archive_or_missing_is_a_configuration_error(t
         archive.writestr("MAR-INF/MANIFEST.json", orjson.dumps({"model": {
             "modelName": "x", "handler": "handler.py", "configFile": config_file}}))
     with pytest.raises(ConfigError, match=r"not a path inside the archive|does not hold"):
-        load_config({"handler": "torchserve", "model": str(mar)}, environ={})
+        load_config({"handler": "torchserve", "model": str(mar)}, environ={}).model_configs()
     with pytest.raises(HandlerLoadError), opened(mar) as opened_archive:
         opened_archive.config()
     directory = tmp_path / "extracted"

@@ -69,10 +69,11 @@ def test_models_config_derives_each_models_settings_from_the_services():
          "micro_batch_size": 2, "parallelism": {"preprocess": 3}, "max_batch_tokens": 0},
     ]).decode()})
     first, second = config.model_configs()
-    assert (first.model_name, first.model_version, first.handler, first.max_batch_size) == ("minilm", "2",
-                                                                                            "embedding", 16)
-    assert (second.model_name, second.max_batch_size, second.micro_batch_size) == ("resnet", 4, 2)
-    assert (second.parallelism.preprocess, second.parallelism.inference, second.max_batch_tokens) == (3, 1, None)
+    assert (first.model_name, first.model_version, first.handler, first.batching.max_batch_size) == (
+        "minilm", "2", "embedding", 16)
+    own = second.batching
+    assert (second.model_name, own.max_batch_size, own.micro_batch_size) == ("resnet", 4, 2)
+    assert (own.parallelism.preprocess, own.parallelism.inference, own.max_batch_tokens) == (3, 1, None)
     assert config.model_topics() == {"images": "resnet"}
     assert load_config().model_configs() == [load_config()]  # no models: the one the flags describe
 

@@ -9,9 +9,11 @@ import pytest
 
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
+from kinference.consumer.config import Batching
 from kinference.consumer.stages import MAX_RESULT_DEPTH, Pipeline, finite
 from kinference.errors import InvalidInput, RequestError
 from kinference.handlers.base import Handler
+from kinference.handlers.echo import EchoHandler
 from tests.fakes import make_request, wait_for
 
 
@@ -350,7 +352,8 @@ def test_a_busy_inference_thread_gets_a_full_batch_queued_behind_it_but_never_a_
     in the batcher (where the policy and the deadlines still apply), a full one is taken and preprocessed."""
     handler = StuckHandler()
     emitted: list = []
-    batcher = Batcher("greedy", 4, 0.0, lambda request: None)
+    batcher = Batcher(Batching(batch_policy="greedy", max_batch_size=4, max_batch_delay_ms=0.0, max_batch_tokens=None,
+                               max_batch_bytes=None), lambda request: None)
     pipeline = Pipeline(handler, batcher.next_batch, emitted.extend, max_batch_size=4, wake=batcher.wake)
 
     def put(*values):
@@ -429,3 +432,19 @@ def test_a_handler_call_over_the_timeout_is_answered_with_handler_timeout_once_a
     finally:
         release.set()
         pipeline.stop(5)
+
+
+class Doubler(Handler):
+    """The smallest handler: ``inference`` alone; preprocess and postprocess are the contract's defaults."""
+
+    def inference(self, inputs):
+        return (2 * item["x"] for item in inputs)  # any iterable: the default postprocess makes it a list
+
+
+@pytest.mark.parametrize("handler", [Doubler(), EchoHandler()], ids=["inference-only", "echo"])
+def test_a_handler_that_defines_only_inference_serves_one_result_per_request(handler):
+    batch = [make_request({"x": i}) for i in range(10)]
+    emitted = run_pipeline(handler, [batch], micro=4, threads=(2, 2, 2))
+    assert {id(r) for r in emitted} == {id(r) for r in batch}
+    expected = [2 * i for i in range(10)] if isinstance(handler, Doubler) else [{"x": i} for i in range(10)]
+    assert [reply(request) for request in batch] == expected
