@@ -196,6 +196,9 @@ def _run_workers(args: argparse.Namespace, config: ServiceConfig) -> int:
     from kinference.consumer.endpoints import Endpoints
     from kinference.consumer.supervisor import Supervisor
 
+    # Each model's settings with its handler's own (a TorchServe archive's), checked here: a bad one fails once,
+    # with exit code 2, instead of in every worker until the supervisor gives up.
+    config.model_configs()
     with ExitStack() as stack:
         overrides = ["--workers", "1", "--no-metrics"]
         if config.embedded_broker:  # one broker for the host, started here

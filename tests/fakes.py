@@ -87,6 +87,19 @@ class FakeModels:
         return []
 
 
+@dataclass
+class FakeBatches:
+    """A pipeline's batches (``stages.Batches``) from a function ``next_batch(timeout_s, only_full)``."""
+
+    next_batch: Callable[..., list]
+
+    def wake(self) -> None:
+        pass
+
+    def observe(self, work: int, seconds: float) -> None:
+        pass
+
+
 class FakeMessage:
     """The accessors of a produced confluent_kafka.Message that the tests read."""
 

@@ -84,6 +84,20 @@ def test_serve_rejects_bad_configuration_with_exit_code_2():
     assert "--max-batch-size" in result.stderr and "--micro-batch-size" in result.stderr
 
 
+def test_serve_with_workers_rejects_a_bad_archive_once_with_exit_code_2(tmp_path):
+    """A TorchServe archive's batch settings are read with its handler; a broken archive fails in the supervisor,
+    not in each of its workers until it gives up."""
+    archive = tmp_path / "broken.mar"
+    archive.write_bytes(b"not a zip")
+    result = subprocess.run(
+        [sys.executable, "-m", "kinference", "serve", "--workers", "2", "--no-metrics", "--handler", "torchserve",
+         "--model", str(archive)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("broken.mar is neither a .mar") == 1, result.stderr
+
+
 def test_serve_with_embedded_broker_on_defaults():
     serve = ServeProcess(["--embedded-broker", "--handler", "echo", "--kafka", "session.timeout.ms=6000"])
     try:

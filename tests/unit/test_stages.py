@@ -9,12 +9,18 @@ import pytest
 
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
-from kinference.consumer.config import Batching
-from kinference.consumer.stages import MAX_RESULT_DEPTH, Pipeline, finite
+from kinference.consumer.config import Batching, Parallelism
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.stages import MAX_RESULT_DEPTH, ModelRun, Pipeline, finite
 from kinference.errors import InvalidInput, RequestError
 from kinference.handlers.base import Handler
 from kinference.handlers.echo import EchoHandler
-from tests.fakes import make_request, wait_for
+from tests.fakes import FakeBatches, make_request, wait_for
+
+
+def run(handler: Handler, **batching) -> ModelRun:
+    """The handler as model ``m``, with these batching settings."""
+    return ModelRun("m", handler, Batching(**batching))
 
 
 class SquareHandler(Handler):
@@ -94,8 +100,9 @@ def run_pipeline(handler, batches, *, micro=None, threads=(1, 1, 1), max_batch_s
         if len(emitted) >= total:
             done.set()
 
-    pipeline = Pipeline(handler, next_batch, emit, preprocess_threads=threads[0], inference_threads=threads[1],
-                        postprocess_threads=threads[2], max_batch_size=max_batch_size, micro_batch_size=micro)
+    parallelism = Parallelism(preprocess=threads[0], inference=threads[1], postprocess=threads[2])
+    pipeline = Pipeline(run(handler, parallelism=parallelism, max_batch_size=max_batch_size, micro_batch_size=micro),
+                        FakeBatches(next_batch), emit, Metrics())
     pipeline.start()
     try:
         assert done.wait(10), f"only {len(emitted)} of {total} requests came out"
@@ -271,7 +278,8 @@ def test_a_failing_warm_up_fails_start_and_stops_the_threads():
         def warm_up(self):
             raise RuntimeError("CUDA out of memory")
 
-    pipeline = Pipeline(ColdModel(), lambda timeout_s, only_full: [], lambda requests: None, max_batch_size=4)
+    pipeline = Pipeline(run(ColdModel(), max_batch_size=4), FakeBatches(lambda timeout_s, only_full: []),
+                        lambda requests: None, Metrics())
     with pytest.raises(RuntimeError, match="out of memory"):
         pipeline.start()
     time.sleep(0.2)
@@ -316,8 +324,9 @@ def test_stop_returns_by_its_deadline_when_a_handler_call_never_returns():
     batches: queue.Queue = queue.Queue()
     for i in range(6):
         batches.put([make_request({"x": i})])
-    pipeline = Pipeline(handler, lambda timeout, only_full: [] if batches.empty() else batches.get(),
-                        lambda requests: None, max_batch_size=1)
+    pipeline = Pipeline(run(handler, max_batch_size=1),
+                        FakeBatches(lambda timeout, only_full: [] if batches.empty() else batches.get()),
+                        lambda requests: None, Metrics())
     pipeline.start()
     assert handler.entered.wait(5)
     started = time.monotonic()
@@ -341,7 +350,8 @@ def test_inference_threads_warm_up_one_at_a_time():
                 self.warming -= 1
 
     handler = Warm()
-    pipeline = Pipeline(handler, lambda timeout: [], lambda requests: None, max_batch_size=4, inference_threads=4)
+    pipeline = Pipeline(run(handler, max_batch_size=4, parallelism=Parallelism(inference=4)),
+                        FakeBatches(lambda timeout, only_full: []), lambda requests: None, Metrics())
     pipeline.start()
     assert pipeline.stop(5)
     assert not handler.overlap
@@ -354,7 +364,7 @@ def test_a_busy_inference_thread_gets_a_full_batch_queued_behind_it_but_never_a_
     emitted: list = []
     batcher = Batcher(Batching(batch_policy="greedy", max_batch_size=4, max_batch_delay_ms=0.0, max_batch_tokens=None,
                                max_batch_bytes=None), lambda request: None)
-    pipeline = Pipeline(handler, batcher.next_batch, emitted.extend, max_batch_size=4, wake=batcher.wake)
+    pipeline = Pipeline(run(handler, max_batch_size=4), batcher, emitted.extend, Metrics())
 
     def put(*values):
         for value in values:
@@ -415,8 +425,8 @@ def test_a_handler_call_over_the_timeout_is_answered_with_handler_timeout_once_a
         except queue.Empty:
             return []
 
-    pipeline = Pipeline(Hanging(), next_batch, emitted.extend, inference_threads=2, max_batch_size=8,
-                        model="m", handler_timeout_s=0.3)
+    pipeline = Pipeline(run(Hanging(), parallelism=Parallelism(inference=2), max_batch_size=8, handler_timeout_s=0.3),
+                        FakeBatches(next_batch), emitted.extend, Metrics())
     pipeline.start()
     try:
         assert wait_for(lambda: all(any(r is e for e in emitted) for r in stuck), 5), len(emitted)

@@ -16,10 +16,11 @@ pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.trace import SpanKind, StatusCode
 
 from kinference.consumer.answers import reply_headers
-from kinference.consumer.config import ServiceConfig
+from kinference.consumer.config import Batching, ServiceConfig
+from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import RequestDecoder
 from kinference.consumer.service import Service
-from kinference.consumer.stages import Pipeline
+from kinference.consumer.stages import ModelRun, Pipeline
 from kinference.consumer.tracing import (
     BATCH_SPAN,
     TRACEPARENT,
@@ -32,7 +33,7 @@ from kinference.consumer.tracing import (
 )
 from kinference.errors import ConfigError
 from kinference.handlers.echo import EchoHandler
-from tests.fakes import FakeRecord, make_request
+from tests.fakes import FakeBatches, FakeRecord, make_request
 
 TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 PARENT_ID = 0x00F067AA0BA902B7
@@ -163,8 +164,8 @@ def serve(tracing: Tracing, records: list[FakeRecord], micro: int) -> list:
         if len(emitted) == len(requests):
             done.set()
 
-    pipeline = Pipeline(handler, next_batch, emit, max_batch_size=len(requests), micro_batch_size=micro,
-                        tracing=tracing)
+    batching = Batching(max_batch_size=len(requests), micro_batch_size=micro)
+    pipeline = Pipeline(ModelRun("m", handler, batching), FakeBatches(next_batch), emit, Metrics(), tracing)
     pipeline.start()
     try:
         assert done.wait(10)
