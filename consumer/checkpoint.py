@@ -10,10 +10,9 @@ answered requests to its checkpoint. Two checkpoints exist:
   the new positions. A request is answered when its transaction commits.
 
 A checkpoint is also the source's committer (``maybe_commit``, ``commit``: what the poll thread and a revoke
-call). Adding a third one (a KIP-932 share group, say) touches no line of the publisher: its ``take`` gives
-back the requests to answer (holding back, and RELEASE-ing, those whose failure another delivery may cure),
-its ``acknowledged`` ACCEPTs the answered ones (REJECT for those answered by a dead letter), and its
-``maybe_commit``/``commit`` send the acknowledgements with the share consumer.
+call), and says what the source's flow control bounds (``in_flight``: requests not yet answered for good). A
+share group uses ``ConsumerCheckpoint`` over its own ledger (``share.ShareLedger``), whose finished requests
+become the acknowledgements its source sends.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ real parsers, every flag they name exists, and the code they show runs (the hand
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import re
 import shlex
@@ -208,3 +209,39 @@ def test_the_quick_start_against_the_embedded_broker_sets_what_it_needs():
     assert [f"{key}={value}" for key, value in LOW_LATENCY_CONSUMER.items()] == serve.kafka_consumer
     (producer,) = re.findall(r'"bootstrap.servers": "([^"]+)"', readme)
     assert producer == f"127.0.0.1:{broker.port}"
+
+
+# --- README's flow diagram -----------------------------------------------------------------------------
+
+_TRAVELLING = "request"
+"""The value that travels through every stage: each stage may use its type."""
+
+
+def request_path() -> list[str]:
+    """The modules of README's flow diagram, top to bottom (its left column)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## How a request flows", 1)[1]
+    (diagram,) = code_blocks(section)[:1]
+    return re.findall(r"^(?:request topics ──> |\s+)consumer/(\w+)\.py", diagram, re.M)
+
+
+def consumer_imports(module: str) -> set[str]:
+    """The ``kinference.consumer`` modules ``module`` imports, those under ``if TYPE_CHECKING`` too."""
+    tree = ast.parse((ROOT / "consumer" / f"{module}.py").read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kinference.consumer"):
+            names |= ({node.module.split(".")[2]} if node.module.count(".") >= 2
+                      else {alias.name for alias in node.names})
+    return names
+
+
+def test_the_flow_diagram_follows_a_request_through_each_module_once_and_never_back():
+    path = request_path()
+    assert path[:2] == ["source", "intake"] and path[-2:] == ["publisher", "checkpoint"], path
+    assert len(path) == len(set(path)), f"a module comes twice: {path}"
+    for module in path:
+        assert (ROOT / "consumer" / f"{module}.py").is_file(), module
+    for index, module in enumerate(path):
+        back = (consumer_imports(module) & set(path[:index])) - {_TRAVELLING}
+        assert not back, f"{module} reaches back to {sorted(back)}, before it on the request's path"
