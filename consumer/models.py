@@ -70,8 +70,9 @@ class LoadedModel:
 
 
 class Models:
-    """The process's served models, the default (first) one first. ``load`` and ``setup`` happen before Kafka is
-    touched; ``build`` makes each model's batcher and stages once there is a publisher to answer through."""
+    """The process's served models, the default (first) one first. Their handlers are made here and load their
+    weights in ``setup``, before Kafka is touched; ``build`` makes each model's batcher and stages once there is a
+    publisher to answer through."""
 
     def __init__(self, config: ServiceConfig, handler: Handler | None = None) -> None:
         """``handler``: a handler object to serve instead of the one ``config.handler`` names (one model only)."""
