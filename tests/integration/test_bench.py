@@ -61,7 +61,7 @@ def test_kinference_settings_are_data():
 
 def test_the_default_setting_is_what_kinference_serve_runs():
     (setting,) = [s for s in bench.KINFERENCE_SETTINGS if s.name == DEFAULT]
-    chosen, defaults = ServiceConfig(**setting.overrides), ServiceConfig()
+    chosen, defaults = ServiceConfig(**setting.overrides).batching, ServiceConfig().batching
     for name in ("batch_policy", "max_batch_tokens", "max_batch_size", "max_batch_delay_ms", "target_latency_ms"):
         assert getattr(chosen, name) == getattr(defaults, name), name
 

@@ -116,8 +116,11 @@ def test_env_bad_value_names_the_env_var():
 
 
 def test_config_is_frozen():
+    config = ServiceConfig()
     with pytest.raises(Exception, match="frozen"):
-        ServiceConfig().max_batch_size = 3
+        config.group_id = "other"
+    with pytest.raises(Exception, match="frozen"):
+        config.batching.max_batch_size = 3
 
 
 def test_yaml_must_be_a_mapping(tmp_path):
