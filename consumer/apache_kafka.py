@@ -123,8 +123,12 @@ def _resolve(pom: Path, jars: Path) -> None:
 
 
 def _cluster_id() -> str:
-    """A KRaft cluster id: a random UUID as Kafka prints one (URL-safe base64, no padding)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    """A KRaft cluster id: a random UUID as Kafka prints one (URL-safe base64, no padding), never one that starts
+    with ``-``: the storage tool's argument parser takes that for an option (1 id in 64; Kafka's own
+    ``Uuid.randomUuid`` draws again for it too)."""
+    while (cluster_id := base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()).startswith("-"):
+        pass
+    return cluster_id
 
 
 class ApacheKafkaBroker:
