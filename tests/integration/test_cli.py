@@ -21,11 +21,14 @@ pytestmark = pytest.mark.integration
 
 
 class ServeProcess:
-    """``kinference serve`` in a child process whose stderr is collected line by line."""
+    """``kinference serve`` in a child process whose stderr is collected line by line. Its metrics listen on a free
+    port unless ``env`` names one: the default port, 9400, is one per machine, and the suite runs in parallel (two
+    serve processes on it failed a CI run with 'Address already in use')."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        env = {"KINFERENCE_METRICS_PORT": str(free_port()), **(env or {})}
         self.process = subprocess.Popen([sys.executable, "-m", "kinference", "serve", *args],
-                                        env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True)
+                                        env={**os.environ, **env}, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.assigned = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
