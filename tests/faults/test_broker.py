@@ -23,6 +23,7 @@ from kinference.consumer.service import Service
 from kinference.consumer.topics import create_topics
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, headers_of, produce, read
+from tests.processes import stop, until_answering
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.embedded_broker]
 
@@ -118,24 +119,12 @@ def s3_server(tmp_path):
     try:
         import boto3
 
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
-                             aws_secret_access_key="test").create_bucket(Bucket="tansu")
-                break
-            except Exception:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise
-                time.sleep(0.2)
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
+                          aws_secret_access_key="test")
+        until_answering(process, lambda: s3.create_bucket(Bucket="tansu"), pause_s=0.2)
         yield env
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
 
 
 def test_broker_restart_with_durable_storage_loses_nothing(s3_server, monkeypatch):

@@ -14,10 +14,8 @@ OAUTHBEARER logins, ACLs (docs/security.md lists what each delivery mode needs),
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from kinference import Client
 from kinference.consumer.broker import broker_binary, free_port
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.test_cli import ServeProcess, kinference
+from tests.processes import stop, until_answering
 from tests.secure_front import Certificates, SecureFront, make_certificates
 
 pytestmark = pytest.mark.integration
@@ -53,23 +52,10 @@ def tansu_behind() -> Iterator[tuple[int, int]]:
                                stderr=subprocess.DEVNULL)
     try:
         admin = AdminClient({"bootstrap.servers": f"127.0.0.1:{own}", "log_level": 0})
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                admin.list_topics(timeout=1)
-                break
-            except Exception:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise
-                time.sleep(0.1)
+        until_answering(process, lambda: admin.list_topics(timeout=1))
         yield own, advertised
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
 
 
 def refuses(bootstrap: str, **properties: str) -> bool:
