@@ -91,15 +91,17 @@ class Rebalance:
             log.warning("revoke: in-flight requests of %s not answered within %.1f s; the next owner may answer "
                         "them again", _names(keys), wait_s)
         self._commit(consumer, keys)
-        self._forget(consumer, partitions, keys)
+        # Logged before the unassign: from then on the group may hand the partitions to the next owner before this
+        # thread runs again, and a line written later would claim them past the hand-over.
         log.info("revoked %s (%d waiting requests left to the next owner)", _names(keys), len(dropped))
+        self._forget(consumer, partitions, keys)
 
     def on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         """Taken away without a clean revoke: another member owns them already, so committing would be wrong."""
         keys = _keys(partitions)
         self._discard(keys)
-        self._forget(consumer, partitions, keys)
         log.warning("lost %s", _names(keys))
+        self._forget(consumer, partitions, keys)
 
     def _forget(self, consumer: Any, partitions: list[TopicPartition], keys: list[PartitionKey]) -> None:
         self._tracker.revoke(keys)

@@ -650,6 +650,22 @@ def overlapping_ownership(members: list[Member]) -> list[tuple[int, str, str]]:
     return overlaps
 
 
+def check_single_ownership(members: list[Member]) -> None:
+    """No partition owned by two members at once; on failure, every member's assignment events."""
+    overlaps = overlapping_ownership(members)
+    if overlaps:
+        origin = min(member.started_ms for member in members)
+        events = "\n".join(f"{member.name} (ended {_since(member.ended_ms, origin)}): " + ", ".join(
+            f"{event.ms - origin} ms {event.kind} {sorted(event.partitions)}" for event in member.events)
+            for member in members)
+        raise AssertionError(f"partitions owned by two members at once {overlaps}; ms since the first start:\n"
+                             f"{events}\n" + "\n".join(member.tail() for member in members))
+
+
+def _since(ms: int | None, origin: int) -> str:
+    return "running" if ms is None else f"{ms - origin} ms"
+
+
 def commit_regressions(samples: list[tuple[int, dict[int, int]]]) -> list[tuple[int, int, int]]:
     """(partition, before, after) wherever the group's committed offset went backwards between two
     samples: a commit from a member that no longer owned the partition overwrote a newer one."""

@@ -19,11 +19,11 @@ from tests.faults.harness import (
     Group,
     Load,
     check,
+    check_single_ownership,
     client_for,
     commit_regressions,
     end_run,
     final_commits,
-    overlapping_ownership,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -75,7 +75,7 @@ def test_sigkill_under_load_loses_nothing_and_duplicates_stay_in_the_window(faul
     assert not result.repeated_by_survivor(members)
     assert not result.same_member_twice()
     # Ownership and commits: one owner at a time, replies only from the owner, no late commit.
-    assert not overlapping_ownership(members)
+    check_single_ownership(members)
     outside = result.outside_ownership(members)
     check(not outside, lambda: "replies outside their member's ownership:\n" + result.describe(outside, members))
     late = result.answered_after_commit(commits.samples)

@@ -27,11 +27,11 @@ from tests.faults.harness import (
     Settings,
     audit,
     check,
+    check_single_ownership,
     client_for,
     commit_regressions,
     end_run,
     final_commits,
-    overlapping_ownership,
 )
 from tests.mock_cluster import PARTITIONS as mock_partitions
 from tests.mock_cluster import mock_cluster
@@ -104,7 +104,7 @@ def test_grow_and_shrink_under_load_hands_partitions_over_cleanly(fault_settings
     assert result.duplicates <= settings.window
     assert not result.repeated_by_survivor(members) and not result.same_member_twice()
     # No partition processed by two members at once past a rebalance.
-    assert not overlapping_ownership(members)
+    check_single_ownership(members)
     outside = result.outside_ownership(members)
     check(not outside, lambda: "replies outside their member's ownership:\n" + result.describe(outside, members))
     # No commit from an old owner landed after the hand-over.
@@ -224,6 +224,6 @@ def test_kip848_consumer_protocol_grows_and_shrinks_under_load(broker):
               f"{({m.name: m.dropped() for m in members})}")
         check(not result.lost, lambda: f"no reply for {len(result.lost)} requests\n{group.tails()}")
         assert not result.errors and result.duplicates == 0
-        assert not overlapping_ownership(members)
+        check_single_ownership(members)
         assert final_commits(settings, result.ends) == result.ends
         assert end.exit_codes == {"a": 0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -161,6 +162,29 @@ def test_rebalances_use_the_protocol_s_own_calls_and_commit_what_moves(strategy,
     assert names[0] == assign and unassign in names
     assert ("commit", [("requests", 1)]) in consumer.calls  # the revoked partition's answers, before it moves
     assert source.rebalance.partitions == {("requests", 0)} and source.rebalance.joined.is_set()
+
+
+@pytest.mark.parametrize("strategy", ["cooperative-sticky", "range"])
+@pytest.mark.parametrize(("taken", "line"), [("on_revoke", "revoked requests[1]"), ("on_lost", "lost requests[1]")])
+def test_a_member_says_it_let_go_of_partitions_before_the_group_can_give_them_to_another(strategy, taken, line,
+                                                                                         caplog):
+    """Ownership is read from these lines (tests/faults): once unassigned, the next owner may be assigned before
+    this thread runs again, so a line logged after the unassign could overlap the next owner's ``assigned``."""
+    source, consumer, _, _, _ = make_source(kafka_consumer={"partition.assignment.strategy": strategy})
+    source.rebalance.on_assign(consumer, [tp(0), tp(1)])
+    logged_at_unassign = []
+
+    def noting_the_log(unassign):
+        def call(*args):
+            logged_at_unassign.append(caplog.text)
+            return unassign(*args)
+        return call
+
+    consumer.unassign = noting_the_log(consumer.unassign)
+    consumer.incremental_unassign = noting_the_log(consumer.incremental_unassign)
+    with caplog.at_level(logging.INFO, logger="kinference.consumer.rebalance"):
+        getattr(source.rebalance, taken)(consumer, [tp(1)])
+    assert len(logged_at_unassign) == 1 and line in logged_at_unassign[0]
 
 
 def test_a_partition_assigned_back_after_a_pause_is_resumed():
