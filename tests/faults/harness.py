@@ -581,10 +581,7 @@ class Audit:
             lines.append(f"{where}: answered by {member.name if member else answer.pid} at {answer.ms} "
                          f"(reply offset {answer.reply_offset}); "
                          f"its spans on that partition {spans}; other answers {others}")
-        for member in members:
-            lines.append(f"{member.name} (pid {member.pid}, ended {member.ended_ms}, killed {member.killed}): "
-                         + ", ".join(f"{e.kind}{sorted(e.partitions)}@{e.ms}" for e in member.events))
-        return "\n".join(lines)
+        return "\n".join([*lines, member_events(members)])
 
     def answered_after_commit(self, samples: list[tuple[int, dict[int, int]]]) -> list[tuple[str, Answer]]:
         """Replies produced after the group's committed offset had passed their record. A record's
@@ -651,19 +648,17 @@ def overlapping_ownership(members: list[Member]) -> list[tuple[int, str, str]]:
 
 
 def check_single_ownership(members: list[Member]) -> None:
-    """No partition owned by two members at once; on failure, every member's assignment events."""
+    """No partition owned by two members at once; on failure, every member's assignment events and log tail."""
     overlaps = overlapping_ownership(members)
-    if overlaps:
-        origin = min(member.started_ms for member in members)
-        events = "\n".join(f"{member.name} (ended {_since(member.ended_ms, origin)}): " + ", ".join(
-            f"{event.ms - origin} ms {event.kind} {sorted(event.partitions)}" for event in member.events)
-            for member in members)
-        raise AssertionError(f"partitions owned by two members at once {overlaps}; ms since the first start:\n"
-                             f"{events}\n" + "\n".join(member.tail() for member in members))
+    check(not overlaps, lambda: f"partitions owned by two members at once {overlaps}\n{member_events(members)}\n"
+          + "\n".join(member.tail() for member in members))
 
 
-def _since(ms: int | None, origin: int) -> str:
-    return "running" if ms is None else f"{ms - origin} ms"
+def member_events(members: list[Member]) -> str:
+    """Each member's assigned/revoked/lost events (wall-clock ms), a line per member."""
+    return "\n".join(f"{member.name} (pid {member.pid}, ended {member.ended_ms}, killed {member.killed}): "
+                     + ", ".join(f"{e.kind}{sorted(e.partitions)}@{e.ms}" for e in member.events)
+                     for member in members)
 
 
 def commit_regressions(samples: list[tuple[int, dict[int, int]]]) -> list[tuple[int, int, int]]:
