@@ -73,15 +73,14 @@ class Rebalance:
             consumer.assign(partitions)
             self.partitions = set(keys)
         self._flow.assigned(consumer, partitions, len(self.partitions))
-        self.group_metadata = consumer.consumer_group_metadata()
+        self._read_generation(consumer)
         self._metrics.assigned_partitions.set(len(self.partitions))
         log.info("assigned %s", _names(keys))
         self.joined.set()
 
     def on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         keys = _keys(partitions)
-        # The commit below must carry the generation the group has now (exactly-once: KIP-447 fencing).
-        self.group_metadata = consumer.consumer_group_metadata()
+        self._read_generation(consumer)  # the commit below must carry it (exactly-once: KIP-447 fencing)
         dropped = self._discard(keys)
         self._tracker.abandon(dropped)
         self._metrics.rebalance_dropped.inc(len(dropped))
@@ -110,9 +109,19 @@ class Rebalance:
         else:
             consumer.unassign()
         self.partitions -= set(keys)
-        self.group_metadata = consumer.consumer_group_metadata()
+        self._read_generation(consumer)
         self._flow.revoked(len(self.partitions))
         self._metrics.assigned_partitions.set(len(self.partitions))
+
+    def _read_generation(self, consumer: Any) -> None:
+        """``group_metadata``, the group's generation now. A consumer leaving the group (``close``) has none, and
+        says so with a ``RuntimeError``: the last one read stays. Left to escape, that error would end the callback
+        half-way, the partitions still counted as this member's, and confluent-kafka turns it into a ``SystemError``
+        out of ``close()`` on Python 3.11 (seen in CI)."""
+        try:
+            self.group_metadata = consumer.consumer_group_metadata()
+        except RuntimeError as exc:
+            log.debug("no group generation to read: %s", exc)
 
 
 def _keys(partitions: Iterable[TopicPartition]) -> list[PartitionKey]:

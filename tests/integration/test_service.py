@@ -13,7 +13,12 @@ from kinference import protocol
 from kinference.consumer.service import Service
 from tests.integration.kafka_io import committed, headers_of, produce, read, service_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [
+    pytest.mark.integration,
+    # A thread of the service that dies of an exception fails the test (a clean stop once raised SystemError out of
+    # the consumer's close, and only a warning said so).
+    pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning"),
+]
 
 READY_S = 30
 

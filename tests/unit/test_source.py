@@ -26,6 +26,7 @@ class FakeConsumer:
         self.calls: list[tuple[str, Any]] = []
         self._assignment: list[TopicPartition] = []
         self.positions: dict[tuple[str, int], int] = {}
+        self.leaving = False
 
     def subscribe(self, topics, on_assign, on_revoke, on_lost):
         self.on_assign, self.on_revoke = on_assign, on_revoke
@@ -75,9 +76,15 @@ class FakeConsumer:
         return offsets
 
     def consumer_group_metadata(self):
+        if self.leaving and not self._assignment:  # confluent-kafka's words, seen on a real close
+            raise RuntimeError("Consumer group metadata not available")
         return "generation"
 
     def close(self):
+        """As librdkafka's: leaving the group revokes what is assigned."""
+        self.leaving = True
+        if self._assignment:
+            self.on_revoke(self, self.assignment())
         self.calls.append(("close", None))
 
 
@@ -198,6 +205,24 @@ def test_a_partition_assigned_back_after_a_pause_is_resumed():
     consumer.calls.clear()
     flow.assigned(consumer, [tp(0)], owned=1)
     assert consumer.calls == [("resume", [0])]
+
+
+@pytest.mark.parametrize(("strategy", "unassign"), [("cooperative-sticky", ("incremental_unassign", [0, 1])),
+                                                   ("range", ("unassign", None))])
+def test_leaving_the_group_ends_the_revoke_although_the_consumer_has_no_generation_left(strategy, unassign, caplog):
+    """Once close() has unassigned, the consumer has no group metadata and says so with a RuntimeError (seen in CI on
+    a clean stop): the revoke still ends, so the partitions stop counting as this member's, and the poll thread
+    closes the consumer cleanly."""
+    metrics = Metrics()
+    source, consumer, *_ = make_source(metrics, kafka_consumer={"partition.assignment.strategy": strategy})
+    source._on_assign(consumer, [tp(0), tp(1)])
+    source.start()
+    with caplog.at_level(logging.INFO, logger="kinference.consumer"):
+        source.close(time.monotonic() + 5)
+    assert not source._thread.is_alive() and "consumer closed" in caplog.text
+    assert source.rebalance.partitions == set() and source.rebalance.group_metadata == "generation"
+    assert metrics.registry.get_sample_value("kinference_assigned_partitions") == 0
+    assert consumer.calls[-2:] == [unassign, ("close", None)]
 
 
 def test_a_fatal_consumer_error_ends_the_poll_loop():
