@@ -39,6 +39,9 @@ TEST_CONSUMER_PROPERTIES = {
     "heartbeat.interval.ms": "2000",
     **FETCH_PROPERTIES,
 }
+NO_THREAD_DIES = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+"""A module's mark: a thread of the service that dies of an exception fails the test, which a warning alone would not
+(a clean stop once raised SystemError out of the consumer's close, and only a warning said so)."""
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,10 @@ from confluent_kafka.admin import AdminClient
 from kinference.consumer.service import Service
 from kinference.handlers.echo import EchoHandler
 from kinference.loadgen import Client, ClientError, ReplyError, RequestTimeout
-from tests.conftest import FETCH_PROPERTIES
+from tests.conftest import FETCH_PROPERTIES, NO_THREAD_DIES
 from tests.integration.kafka_io import service_config
 
-pytestmark = [
-    pytest.mark.integration,
-    # A thread of the service that dies of an exception fails the test (a clean stop once raised SystemError out of
-    # the consumer's close, and only a warning said so).
-    pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning"),
-]
+pytestmark = [pytest.mark.integration, NO_THREAD_DIES]
 
 
 class NapEcho(EchoHandler):

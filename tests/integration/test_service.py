@@ -11,14 +11,10 @@ import pytest
 
 from kinference import protocol
 from kinference.consumer.service import Service
+from tests.conftest import NO_THREAD_DIES
 from tests.integration.kafka_io import committed, headers_of, produce, read, service_config
 
-pytestmark = [
-    pytest.mark.integration,
-    # A thread of the service that dies of an exception fails the test (a clean stop once raised SystemError out of
-    # the consumer's close, and only a warning said so).
-    pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning"),
-]
+pytestmark = [pytest.mark.integration, NO_THREAD_DIES]
 
 READY_S = 30
 
