@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 f"{ENV_PREFIX}<FLAG_NAME> and from the --config YAML file.")
     serve.add_argument("--config", type=Path, help="YAML file of option: value (keys as the flag names)")
     add_config_flags(serve)
-    # Internal: a worker of --workers N reports its health to its supervisor in this file.
+    # Internal: a worker of --workers N (or a device process) reports its health to its supervisor in this file.
     serve.add_argument("--worker-report", type=Path, help=argparse.SUPPRESS)
+    # Internal: this process is device process I of its supervisor; a worker's device process listens here.
+    serve.add_argument("--device-index", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--device-socket", type=Path, help=argparse.SUPPRESS)
     serve.set_defaults(run=run_serve)
 
     topics = commands.add_parser(
@@ -152,14 +156,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = _config_from_args(args)
     setup_logging(config.log_level, config.log_format)
-    if config.workers > 1:
-        return _run_workers(args, config)
+    if args.device_index is not None:
+        return _run_device(args, config)
+    if args.worker_report is None:  # not supervised: this process may be the supervisor
+        plan = plan_processes(config)
+        if plan.devices or plan.workers != 1:
+            return _run_workers(args, config, plan)
     stop = _stop_on_signals()
     with ExitStack() as stack:
         if config.embedded_broker:
             config = _with_embedded_broker(stack, config)
         # A worker's report lies in its supervisor's directory, which the host's workers share.
-        service = Service(config, host_dir=args.worker_report.parent if args.worker_report is not None else None)
+        service = Service(config, host_dir=args.worker_report.parent if args.worker_report is not None else None,
+                          device_socket=args.device_socket)
         if args.worker_report is not None:
             stack.enter_context(WorkerReport(args.worker_report, service))
         service.start()
@@ -171,6 +180,60 @@ def run_serve(args: argparse.Namespace) -> int:
                     return 1
         finally:
             service.stop()
+    return 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The processes of one ``kinference serve``: device processes (0: none) and workers (None: sized by the device
+    processes' calibration)."""
+
+    devices: int
+    workers: int | None
+
+
+def plan_processes(config: ServiceConfig) -> Plan:
+    """``--device-process`` and ``--workers`` resolved on this host: a device process per GPU when the device is
+    CUDA (``auto``), or when asked (``on``; on the CPU, one), for the models that can run in one."""
+    from kinference.consumer.service import resolve_device
+    from kinference.handlers import handler_class
+
+    capable = [settings.handler for settings in config.model_configs()
+               if handler_class(settings.handler).device_process]
+    device = resolve_device(config.device)
+    wanted = config.device_process == "on" or (config.device_process == "auto" and device.startswith("cuda"))
+    if config.device_process == "on" and not capable:
+        raise KinferenceError(f"--device-process on: no model's handler can run in a device process "
+                              f"({', '.join(s.handler for s in config.model_configs())}); use --device-process off")
+    devices = 0
+    if wanted and capable:
+        import torch
+
+        devices = torch.cuda.device_count() if device == "cuda" else 1  # cuda:N, or the CPU: one
+    if config.workers != "auto":
+        return Plan(devices, config.workers)
+    return Plan(devices, None if devices else 1)
+
+
+def _run_device(args: argparse.Namespace, config: ServiceConfig) -> int:
+    """A device process of the supervisor's (``device_process``): exit 0 after a clean stop, 1 when a thread of it
+    died."""
+    from kinference.consumer.device_process import DeviceProcess
+    from kinference.consumer.service import resolve_device, settle_heap
+    from kinference.consumer.supervisor import WorkerReport
+
+    stop = _stop_on_signals()
+    device = DeviceProcess(config, args.device_index, args.worker_report.parent, resolve_device(config.device))
+    with WorkerReport(args.worker_report, device):
+        device.start()
+        settle_heap()
+        try:
+            while not stop.wait(_HEALTH_CHECK_S):
+                if not device.healthy:
+                    log.critical("device process stopping (exit code 1): %s", "; ".join(device.problems()))
+                    return 1
+        finally:
+            device.stop(config.shutdown_grace_s)
     return 0
 
 
@@ -188,13 +251,14 @@ def _with_embedded_broker(stack: ExitStack, config: ServiceConfig) -> ServiceCon
                                       "kafka_consumer": {**tuned, **config.kafka_consumer}})
 
 
-def _run_workers(args: argparse.Namespace, config: ServiceConfig) -> int:
-    """``--workers N``: the supervisor (``supervisor``) and its N workers, each ``serve`` with the same flags and
-    ``--workers 1``. Exit 0 after a clean stop, 1 when a worker kept dying."""
+def _run_workers(args: argparse.Namespace, config: ServiceConfig, plan: Plan) -> int:
+    """The supervisor (``supervisor``), its device processes, and its workers, each ``serve`` with the same flags and
+    ``--workers 1``. Exit 0 after a clean stop, 1 when a process kept dying."""
     from prometheus_client import CollectorRegistry
 
+    from kinference.consumer.device_process import socket_path
     from kinference.consumer.endpoints import Endpoints
-    from kinference.consumer.supervisor import Supervisor
+    from kinference.consumer.supervisor import Member, Supervisor
 
     # Each model's settings with its handler's own (a TorchServe archive's), checked here: a bad one fails once,
     # with exit code 2, instead of in every worker until the supervisor gives up.
@@ -211,8 +275,18 @@ def _run_workers(args: argparse.Namespace, config: ServiceConfig) -> int:
         serve_argv = args.argv[args.argv.index("serve") + 1:]
         prefix = [sys.executable, "-m", "kinference", "serve", *serve_argv, *overrides]
         given_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        supervisor = Supervisor(config.workers, lambda report: [*prefix, "--worker-report", str(report)],
-                                grace_s=config.shutdown_grace_s, metrics_dir=Path(given_dir) if given_dir else None)
+
+        def command(member: Member) -> list[str]:
+            own = ["--worker-report", str(member.report)]
+            if member.kind == "device":  # the user's --workers stays: auto asks it to calibrate for the supervisor
+                return [sys.executable, "-m", "kinference", "serve", *serve_argv, "--no-metrics",
+                        "--no-embedded-broker", *own, "--device-index", str(member.index)]
+            if plan.devices:  # the workers are spread over the device processes
+                own += ["--device-socket", str(socket_path(supervisor.host_dir, member.index % plan.devices))]
+            return [*prefix, *own]
+
+        supervisor = Supervisor(plan.workers, command, grace_s=config.shutdown_grace_s, devices=plan.devices,
+                                metrics_dir=Path(given_dir) if given_dir else None)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda received, _frame: supervisor.stop(received))
         if config.metrics:
@@ -221,7 +295,8 @@ def _run_workers(args: argparse.Namespace, config: ServiceConfig) -> int:
             endpoints = Endpoints(config.metrics_host, config.metrics_port, registry, supervisor.health_checks,
                                   supervisor.readiness_checks, supervisor.problems).start()
             stack.callback(endpoints.close)
-        log.info("supervising %d workers", config.workers)
+        log.info("supervising %s workers and %d device processes",
+                 "auto" if plan.workers is None else plan.workers, plan.devices)
         return supervisor.run()
 
 

@@ -392,10 +392,33 @@ class ServiceConfig(BaseModel):
     )
 
     # --- Operation
-    workers: int = Field(
-        1, ge=1, le=64, description="Worker processes on this host, each a member of the consumer group with its own "
-        "copy of the model, under one supervisor that restarts them and serves one /metrics, /healthz and /readyz "
-        "(1: one process, no supervisor). See docs/configuration.md#several-workers-on-one-host.",
+    workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto", description="Worker processes on this host, each a member of the consumer group, under one "
+        "supervisor that restarts them and serves one /metrics, /healthz and /readyz. auto: with a device process, as "
+        "many as its start-up calibration says the device can absorb, within the cores; without one, 1 (one process, "
+        "no supervisor). Without a device process each worker has its own copy of the model. See "
+        "docs/configuration.md#the-device-process-and-workers.",
+    )
+    device_process: Literal["auto", "on", "off"] = Field(
+        "auto", description="Run the model in one device process per GPU, fed by the workers, which do the "
+        "per-message work: one copy of the weights per GPU, batches merged across workers. auto: on when the "
+        "device is CUDA, off on the CPU (measured: docs/benchmarks.md).",
+    )
+    device_batch_size: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
+        "auto", description="The most items in one batch of the device process (micro-batches of the workers "
+        "merged). auto: the smallest batch size within 10% of the best items/s in the start-up calibration.",
+    )
+    device_threads: int = Field(
+        2, ge=1, le=16, description="Threads of the device process that each run one device batch at a time (a "
+        "CUDA stream each): one merges or hands back while another's batch runs.",
+    )
+    device_arena_mb: int = Field(
+        64, ge=1, le=65_536, description="Shared memory per worker inference thread for its micro-batch's tensors "
+        "(half in, half out), taken only as written.",
+    )
+    device_wait_s: float = Field(
+        120.0, gt=0, le=86_400, description="How long a worker waits for its device process to answer (it is "
+        "restarted if it died, and the call is sent again) before that micro-batch fails with handler_error.",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_format: Literal["text", "json"] = Field(

@@ -29,9 +29,11 @@ from kinference.consumer.stages import ModelRun, Pipeline
 from kinference.consumer.types import PartitionKey
 from kinference.errors import ConfigError, RequestError
 from kinference.handlers import Handler, HandlerContext, load_handler
+from kinference.handlers.base import Role
 from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
+    from kinference.consumer.device_link import DeviceLink
     from kinference.consumer.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class Models:
         self.loaded: list[LoadedModel] = []
         self._by_name: dict[str, LoadedModel] = {}
         self._answer: Answer | None = None
+        self._link: DeviceLink | None = None
         self._busy: list[LoadedModel] = []
         """Models whose stage threads did not stop (``stop``): their handlers are not closed."""
 
@@ -92,14 +95,17 @@ class Models:
     def default_handler(self) -> Handler:
         return self.handlers[0][1]
 
-    def setup(self, device: str, metrics: Metrics, host_dir: Path | None) -> None:
-        """Load every model's weights, on the one device."""
+    def setup(self, device: str, metrics: Metrics, host_dir: Path | None, link: DeviceLink | None) -> None:
+        """Load every model's weights, on the one device; with a device process (``link``), only the host side of
+        the models that run there (their weights are the device process's)."""
+        self._link = link
         for settings, handler in self.handlers:
             batching = settings.batching
+            role: Role = "host" if link is not None and handler.device_process else "process"
             handler.setup(HandlerContext(device=device, model=_path(settings.model),
                                          options=dict(settings.handler_options),
                                          max_batch_size=batching.micro_batch_size or batching.max_batch_size,
-                                         registry=metrics.registry, host_dir=host_dir))
+                                         registry=metrics.registry, host_dir=host_dir, role=role))
 
     def build(self, answer: Answer, metrics: Metrics, tracing: Tracing | None) -> Router:
         """Each model's route, batcher and stage threads (not started); returns the router over their routes.
@@ -115,14 +121,15 @@ class Models:
 
     def _build(self, settings: ServiceConfig, handler: Handler, answer: Answer, metrics: Metrics,
                tracing: Tracing | None) -> LoadedModel:
-        name = settings.model_name or handler.describe().get("model") or settings.handler
+        name = served_name(settings, handler)
         served = (None if settings.request_format == "kinference" or settings.value_format != "json"
                   else OipModel(name, settings.model_version, settings.request_format))
         batcher = Batcher(settings.batching, self.answer_now, max_queue_ms=settings.max_queue_ms)
         cost = batcher.cost
         metrics.batch_cost_fixed.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
         metrics.batch_cost_per_unit.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
-        pipeline = Pipeline(ModelRun(name, handler, settings.batching), batcher, answer, metrics, tracing)
+        device = self._link if handler.device_process else None
+        pipeline = Pipeline(ModelRun(name, handler, settings.batching, device), batcher, answer, metrics, tracing)
         route = ModelRoute(name, settings.model_version, handler.payload_format, served)
         return LoadedModel(settings, handler, route, batcher, pipeline, max_in_flight=None)
 
@@ -194,6 +201,11 @@ class Models:
                             "return); its handler.close() is skipped", model.name)
             else:
                 model.handler.close()
+
+
+def served_name(settings: ServiceConfig, handler: Handler) -> str:
+    """A model's name (set up): in its metrics, its errors, OIP and the device process's calls."""
+    return settings.model_name or handler.describe().get("model") or settings.handler
 
 
 def _info_labels(described: dict[str, str]) -> dict[str, str]:

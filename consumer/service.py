@@ -26,6 +26,7 @@ from confluent_kafka import KafkaException
 
 from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.device_link import DeviceLink
 from kinference.consumer.endpoints import Endpoints
 from kinference.consumer.intake import Intake
 from kinference.consumer.lag import LagMonitor
@@ -80,12 +81,17 @@ class Service:
     """``with Service(config) as service: service.wait_ready(30)`` runs kinference in this process."""
 
     def __init__(self, config: ServiceConfig, handler: Handler | None = None,
-                 tracer_provider: TracerProvider | None = None, host_dir: Path | None = None) -> None:
+                 tracer_provider: TracerProvider | None = None, host_dir: Path | None = None,
+                 device_socket: Path | None = None) -> None:
         """``tracer_provider``: where spans go with ``tracing`` on, instead of the exporters the OTEL_* environment
         variables name (tests pass one with an in-memory exporter); flushed at stop, never shut down here.
-        ``host_dir``: the directory the workers of one host share (``--workers N``), handed to the handlers."""
+        ``host_dir``: the directory the workers of one host share (``--workers N``), handed to the handlers.
+        ``device_socket``: the device process that runs the models' inference (``device_process``); None: this
+        process runs it."""
         self.config = config
         self._host_dir = host_dir
+        self._link = None if device_socket is None else DeviceLink(device_socket, config.device_arena_mb << 20,
+                                                                    config.device_wait_s)
         self._tracer_provider = tracer_provider
         self.tracing: Tracing | None = None
         self.models = Models(config, handler)
@@ -118,6 +124,8 @@ class Service:
                 self._slot.close()
             if self.tracing is not None:
                 self.tracing.close(_CLOSE_RESERVE_S)
+            if self._link is not None:
+                self._link.close()
             raise
 
     def _start(self, config: ServiceConfig) -> Service:
@@ -129,7 +137,7 @@ class Service:
             import torch
 
             torch.set_num_threads(config.torch_threads)
-        self.models.setup(device, self.metrics, self._host_dir)
+        self.models.setup(device, self.metrics, self._host_dir, self._link)
         try:
             publisher, source = self._build(config)
         except KafkaException as exc:
@@ -287,6 +295,8 @@ class Service:
         if self.tracing is not None:  # every span that will end has ended: the publisher has stopped
             self.tracing.close(max(0.0, deadline - time.monotonic()))
         self.models.close()
+        if self._link is not None:
+            self._link.close()
         if self._slot is not None:
             self._slot.close()
         if self.endpoints is not None:

@@ -31,6 +31,7 @@ from kinference.handlers.base import Handler
 from kinference.protocol import ErrorCode, encode_result
 
 if TYPE_CHECKING:
+    from kinference.consumer.device_link import DeviceLink
     from kinference.consumer.tracing import BatchTrace, Tracing
 
 log = logging.getLogger(__name__)
@@ -286,12 +287,14 @@ class Batches(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ModelRun:
-    """What a pipeline runs: a served model's name (its metrics' label, and its errors'), its handler, and how its
-    batches run (``Batching``: micro-batch size, threads per stage, handler timeout)."""
+    """What a pipeline runs: a served model's name (its metrics' label, and its errors'), its handler, how its
+    batches run (``Batching``: micro-batch size, threads per stage, handler timeout), and where its inference runs:
+    in this process, or in the device process (``device``)."""
 
     name: str
     handler: Handler
     batching: Batching
+    device: DeviceLink | None = None
 
 
 class Pipeline:
@@ -309,6 +312,7 @@ class Pipeline:
         ``run.batching.handler_timeout_s`` at most (``_watch``)."""
         batching, model = run.batching, run.name
         self._handler = run.handler
+        self._device = run.device
         self._model = model
         self._handler_timeout_s = batching.handler_timeout_s
         threads = batching.parallelism
@@ -385,6 +389,9 @@ class Pipeline:
         return False
 
     def _warm_up(self) -> None:
+        if self._device is not None:  # the device process warmed the model up: wait until it answers
+            self._device.wait_ready()
+            return
         # One thread at a time: compiling the same model from several threads at once is not safe in torch.
         with self._warm_up_lock:
             self._handler.warm_up()
@@ -490,7 +497,10 @@ class Pipeline:
 
     def _inference(self, micro_batch: MicroBatch) -> None:
         started = time.perf_counter()
-        micro_batch.outputs = self._handler.inference(micro_batch.inputs)
+        if self._device is None:
+            micro_batch.outputs = self._handler.inference(micro_batch.inputs)
+        else:  # in the device process (device_link): one message each way, the tensors in shared memory
+            micro_batch.outputs = self._device.infer(self._model, len(micro_batch.active), micro_batch.inputs)
         elapsed = time.perf_counter() - started
         for request in micro_batch.active:
             request.inference_ms = elapsed * 1000

@@ -1,8 +1,12 @@
-"""``kinference serve --workers N``: N member processes of the consumer group on one host, under a small
-supervisor (gunicorn's arbiter, cut down to what a Kafka consumer needs).
+"""``kinference serve --workers N``: N member processes of the consumer group on one host, and with a device
+process one per GPU, under a small supervisor (gunicorn's arbiter, cut down to what a Kafka consumer needs).
 
-- Each worker is a plain ``kinference serve`` of one process (the same flags, with ``--workers 1``): it loads its
-  own copy of the model and joins the group; Kafka's assignment spreads the partitions among the workers.
+- Each worker is a plain ``kinference serve`` of one process (the same flags, with ``--workers 1``): it joins the
+  group, and Kafka's assignment spreads the partitions among the workers. Without a device process it loads its
+  own copy of the model; with one (``device_process``), it hands its micro-batches to the device process of its GPU.
+- The device processes start first (``kinference serve --device-index I``). The workers start once every device
+  process is ready, and with ``--workers auto`` their number is what the device processes' calibrations say the
+  devices can absorb, within the cores (``calibration``). A device process is supervised as a worker is.
 - SIGTERM and SIGINT are forwarded to every worker, which shuts down as a single process does (within
   ``shutdown_grace_s``); a worker still running ``_KILL_MARGIN_S`` after that is killed.
 - A worker that exits on its own is restarted, after a backoff that doubles with each quick death (from
@@ -32,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -58,6 +62,13 @@ _REPORT_S = 1.0
 _JOINING_S = 0.05
 _STALE_S = 10.0
 """A worker that has not reported for this long is hung (a stuck poll loop, a process stopped): unhealthy."""
+_CALIBRATION_METRICS = (
+    ("batch_size", "batch_size", "Items per device batch, chosen at start (--device-batch-size auto)."),
+    ("device_items_s", "device_items_per_second", "The device's items/s at that batch size, measured at start."),
+    ("host_us_per_item", "host_us_per_item", "One worker's CPU µs per item, as estimated at start."),
+    ("workers", "workers", "Workers this device can absorb, by the calibration."),
+)
+"""(Calibration attribute, metric name after kinference_calibration_, help)."""
 WORKER_LOCAL_METRICS = frozenset({"kinference_ready", "kinference_healthy", "kinference_batch_cost_fixed_seconds",
                                   "kinference_batch_cost_per_unit_seconds"})
 """Gauges a worker computes when scraped, which multiprocess mode cannot share: the supervisor leaves them out of
@@ -102,7 +113,10 @@ class WorkerReport:
 
 
 @dataclass(eq=False)
-class _Worker:
+class Member:
+    """One supervised process: a worker (a member of the consumer group) or a device process."""
+
+    kind: Literal["worker", "device"]
     index: int
     report: Path
     process: subprocess.Popen[bytes] | None = None
@@ -114,7 +128,7 @@ class _Worker:
 
     @property
     def name(self) -> str:
-        return f"worker {self.index}"
+        return f"{self.kind} {self.index}"
 
 
 @dataclass(frozen=True)
@@ -128,13 +142,13 @@ class WorkerState:
 
 
 class Supervisor:
-    """``Supervisor(n, command, ...).run()`` starts the workers and returns the exit code once they are stopped
+    """``Supervisor(n, command, ...).run()`` starts the processes and returns the exit code once they are stopped
     (``stop``, from a signal handler) or gave up."""
 
-    def __init__(self, workers: int, command: Callable[[Path], list[str]], *, grace_s: float,
-                 metrics_dir: Path | None = None, env: dict[str, str] | None = None,
-                 restarts: Restarts = Restarts()) -> None:
-        """``command(report_path)`` is a worker's argv. ``metrics_dir``: ``PROMETHEUS_MULTIPROC_DIR`` for the workers
+    def __init__(self, workers: int | None, command: Callable[[Member], list[str]], *, grace_s: float,
+                 devices: int = 0, metrics_dir: Path | None = None, restarts: Restarts = Restarts()) -> None:
+        """``command(member)`` is a worker's or a device process's argv. ``workers``: None sizes them from the
+        ``devices`` device processes' calibrations. ``metrics_dir``: ``PROMETHEUS_MULTIPROC_DIR`` for the processes
         (emptied first; default: a temporary directory, removed at the end)."""
         self._command = command
         self._grace_s = grace_s
@@ -142,27 +156,37 @@ class Supervisor:
         self._own_dir = metrics_dir is None
         self.metrics_dir = Path(metrics_dir or tempfile.mkdtemp(prefix="kinference-metrics-"))
         self._reports = Path(tempfile.mkdtemp(prefix="kinference-workers-"))
-        self._env = {**(os.environ if env is None else env), "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
-        self.workers = [_Worker(index, self._reports / f"worker-{index}.json") for index in range(workers)]
+        self._env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+        self.devices = [Member("device", index, self._reports / f"device-{index}.json") for index in range(devices)]
+        self._worker_count = workers
+        self.workers: list[Member] = []
+        """The workers, once started (at once without device processes, else once these are ready)."""
         self._signal: int | None = None
         self._lock = threading.Lock()
-        """Held while workers are started or reaped: the HTTP threads read their state."""
+        """Held while processes are started or reaped: the HTTP threads read their state."""
+
+    @property
+    def members(self) -> list[Member]:
+        return [*self.devices, *self.workers]
 
     @property
     def host_dir(self) -> Path:
-        """The directory the workers share (their reports, and the ``sim`` handler's device)."""
+        """The directory the processes share (their reports, the device processes' sockets and calibrations, and
+        the ``sim`` handler's device)."""
         return self._reports
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Forward ``signum`` to the workers and stop (safe from a signal handler: it only records it)."""
+        """Forward ``signum`` to the processes and stop (safe from a signal handler: it only records it)."""
         self._signal = signum
 
     def run(self) -> int:
         self._clean_metrics_dir()
         try:
-            for worker in self.workers:
-                self._spawn(worker)
+            for device in self.devices:
+                self._spawn(device)
             while self._signal is None:
+                if not self.workers:
+                    self._start_workers()
                 time.sleep(_TICK_S)
                 if not self._tick(time.monotonic()):
                     self.stop()
@@ -175,11 +199,37 @@ class Supervisor:
             if self._own_dir:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
+    def _start_workers(self) -> None:
+        """Once every device process is ready: as many workers as asked, or as the calibrations say."""
+        if not all(self._state(device, time.monotonic()).ready for device in self.devices):
+            return
+        count = self._worker_count if self._worker_count is not None else self._sized()
+        members = [Member("worker", index, self._reports / f"worker-{index}.json") for index in range(count)]
+        with self._lock:
+            self.workers = members
+        for worker in members:
+            self._spawn(worker)
+
+    def _sized(self) -> int:
+        """``--workers auto``: what the device processes can absorb, together, within the host's cores."""
+        from kinference.consumer.calibration import Calibration, worker_cap
+        from kinference.consumer.device_process import calibration_path
+
+        wanted = 0
+        for device in self.devices:
+            calibration = Calibration.read(calibration_path(self._reports, device.index))
+            wanted += calibration.workers if calibration is not None else 1
+        cap = worker_cap(len(self.devices))
+        count = max(1, min(wanted, cap))
+        log.info("workers: %d (the device processes can absorb %d; this host's cores allow %d beside %d device "
+                 "processes)", count, wanted, cap, len(self.devices))
+        return count
+
     # --- the host's /healthz, /readyz and /metrics (HTTP threads)
 
     def states(self) -> dict[str, WorkerState]:
         with self._lock:
-            return {worker.name: self._state(worker, time.monotonic()) for worker in self.workers}
+            return {member.name: self._state(member, time.monotonic()) for member in self.members}
 
     def health_checks(self) -> dict[str, bool]:
         return {name: state.healthy for name, state in self.states().items()}
@@ -190,7 +240,7 @@ class Supervisor:
     def problems(self) -> dict[str, str]:
         return {name: state.why for name, state in self.states().items() if state.why}
 
-    def _state(self, worker: _Worker, now: float) -> WorkerState:
+    def _state(self, worker: Member, now: float) -> WorkerState:
         process = worker.process
         if process is None or process.poll() is not None:
             # The supervisor restarts it (or gives up and exits): not a reason to restart the whole host.
@@ -226,13 +276,18 @@ class Supervisor:
         up = GaugeMetricFamily("kinference_worker_up", "1 while the worker is healthy and ready.", labels=["worker"])
         restarts = CounterMetricFamily("kinference_worker_restarts", "Worker processes started again after they "
                                        "died.", labels=["worker"])
+        device_up = GaugeMetricFamily("kinference_device_process_up", "1 while the device process is healthy and "
+                                      "ready.", labels=["device"])
+        device_restarts = CounterMetricFamily("kinference_device_process_restarts", "Device processes started "
+                                              "again after they died.", labels=["device"])
         with self._lock:
-            for worker in self.workers:
-                state = states[worker.name]
-                up.add_metric([str(worker.index)], float(state.healthy and state.ready))
-                restarts.add_metric([str(worker.index)], worker.restarts)
-        yield up
-        yield restarts
+            for member in self.members:
+                state = states[member.name]
+                gauge, counter = (up, restarts) if member.kind == "worker" else (device_up, device_restarts)
+                gauge.add_metric([str(member.index)], float(state.healthy and state.ready))
+                counter.add_metric([str(member.index)], member.restarts)
+        yield from (up, restarts, device_up, device_restarts)
+        yield from self._calibration_metrics()
         yield InfoMetricFamily("kinference_build", "Versions of kinference and of what it runs on.", value=build_info())
 
     # --- the supervisor's loop
@@ -243,16 +298,34 @@ class Supervisor:
         for stale in self.metrics_dir.glob("*.db"):
             stale.unlink()
 
-    def _spawn(self, worker: _Worker) -> None:
+    def _calibration_metrics(self) -> Iterable[Any]:
+        """What each device process's calibration decided, and the worker count (``calibration``)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        from kinference.consumer.calibration import Calibration
+        from kinference.consumer.device_process import calibration_path
+
+        yield GaugeMetricFamily("kinference_workers", "Worker processes this host runs (--workers, or as sized at "
+                                "start).", value=len(self.workers))
+        families = {attribute: GaugeMetricFamily(f"kinference_calibration_{name}", about, labels=["device"])
+                    for attribute, name, about in _CALIBRATION_METRICS}
+        for device in self.devices:
+            calibration = Calibration.read(calibration_path(self._reports, device.index))
+            for attribute, family in families.items():
+                if calibration is not None:
+                    family.add_metric([str(device.index)], float(getattr(calibration, attribute)))
+        yield from families.values()
+
+    def _spawn(self, worker: Member) -> None:
         worker.report.unlink(missing_ok=True)
         with self._lock:
-            worker.process = subprocess.Popen(self._command(worker.report), env=self._env)
+            worker.process = subprocess.Popen(self._command(worker), env=self._env)
             worker.started, worker.restart_at = time.monotonic(), None
         log.info("%s started (pid %d)", worker.name, worker.process.pid)
 
     def _tick(self, now: float) -> bool:
-        """Reap dead workers and start due ones again; False once one died too often."""
-        for worker in self.workers:
+        """Reap dead processes and start due ones again; False once one died too often."""
+        for worker in self.members:
             process = worker.process
             if worker.restart_at is not None:
                 if now >= worker.restart_at:
@@ -274,7 +347,7 @@ class Supervisor:
                       backoff)
         return True
 
-    def _reaped(self, worker: _Worker, process: subprocess.Popen[bytes]) -> None:
+    def _reaped(self, worker: Member, process: subprocess.Popen[bytes]) -> None:
         """A worker's process ended: its live gauges leave the host's sums."""
         from prometheus_client import multiprocess
 
@@ -283,9 +356,16 @@ class Supervisor:
 
     def _shut_down(self) -> None:
         signum = self._signal or signal.SIGTERM
-        running = [(worker, worker.process) for worker in self.workers
+        workers = [(worker, worker.process) for worker in self.workers
                    if worker.process is not None and worker.process.poll() is None]
-        log.info("forwarding %s to %d workers", signal.Signals(signum).name, len(running))
+        log.info("forwarding %s to %d workers", signal.Signals(signum).name, len(workers))
+        self._stop_all(workers, signum)
+        # The device processes last: the workers' last micro-batches still run there while they drain.
+        devices = [(device, device.process) for device in self.devices
+                   if device.process is not None and device.process.poll() is None]
+        self._stop_all(devices, signum)
+
+    def _stop_all(self, running: list[tuple[Member, subprocess.Popen[bytes]]], signum: int) -> None:
         for _, process in running:
             process.send_signal(signum)
         deadline = time.monotonic() + self._grace_s + _KILL_MARGIN_S

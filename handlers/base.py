@@ -20,6 +20,14 @@ The service calls:
    item, in order. Put an ``InvalidInput`` (or any ``RequestError``) in a slot to fail that item only.
    By default the outputs as a list, one per item.
 
+With a device process (``--device-process``, docs/configuration.md), a handler whose class sets
+``device_process = True`` is split across processes: each worker sets it up with ``HandlerContext.role`` ``host``
+and calls ``validate_many``, ``preprocess`` and ``postprocess``; the one device process per GPU sets it up with role
+``device`` and calls ``warm_up``, ``merge`` and ``inference``, on the preprocessed micro-batches of every worker,
+which cross the process boundary in shared memory (tensors and numpy arrays; the rest pickled). Such a handler's
+``inference`` returns one row per item (a tensor, an array or a list), so that the rows of a merged batch go back
+to the micro-batches they came from.
+
 Before any of this, when the service builds the model, ``batching_defaults(model, options)`` may say how the
 model wants to be batched (a TorchServe archive's ``batchSize``...); every batching option the user gives wins.
 
@@ -34,9 +42,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from kinference.protocol import PayloadFormat
+
+Role = Literal["process", "host", "device"]
+"""Where a handler instance runs: ``process`` does everything (no device process); ``host`` is a worker beside a
+device process (validate, preprocess, postprocess: no weights); ``device`` is the device process (the weights,
+``warm_up``, ``merge``, ``inference``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +82,8 @@ class HandlerContext:
     host_dir: Path | None = None
     """A directory that the worker processes of one host share (``serve --workers N``), for what there is one of per
     host (the ``sim`` handler's device); None in a single process."""
+    role: Role = "process"
+    """``process``, or the side of a handler split across a worker (``host``) and a device process (``device``)."""
 
 
 class Handler(ABC):
@@ -80,6 +95,11 @@ class Handler(ABC):
 
     name: ClassVar[str] = "custom"
     """Shown in logs and the model-info metric."""
+
+    device_process: ClassVar[bool] = False
+    """Whether the model can run in a device process apart from the workers: ``preprocess`` returns what can
+    cross a process boundary (tensors, arrays, plain data), ``merge`` combines several such inputs, ``inference``
+    returns one row per item, and ``setup`` honours ``HandlerContext.role`` (no weights on the ``host`` side)."""
 
     @classmethod
     def batching_defaults(cls, model: Path | None, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -124,6 +144,16 @@ class Handler(ABC):
     @abstractmethod
     def inference(self, inputs: Any) -> Any:
         """Run the model. Called concurrently from every inference thread."""
+
+    def merge(self, inputs: list[Any]) -> Any:
+        """Combine the ``preprocess`` results of several micro-batches (of several workers) into one device batch,
+        rows in order; only for ``device_process`` handlers, in the device process."""
+        raise NotImplementedError(f"{type(self).__name__} sets device_process but does not implement merge")
+
+    def calibration_payloads(self, count: int) -> list[Any] | None:
+        """``count`` request payloads of the traffic the model is expected to serve, for the start-up calibration
+        of the device batch size and the worker count (``--workers auto``); None: no calibration."""
+        return None
 
     def postprocess(self, outputs: Any, items: list[Any]) -> list[Any]:
         """Return one result per item, in order; by default the outputs as a list."""

@@ -24,7 +24,7 @@ class TextClassificationHandler(TextHandler):
     defaults = {**TextHandler.defaults, "top_k": None}
 
     def configure(self, options: dict[str, Any]) -> None:
-        config = self.model.config
+        config = self.config
         self.labels = [config.id2label[i] for i in range(config.num_labels)]
         self.multi_label = config.problem_type == "multi_label_classification"
         top_k = options["top_k"]

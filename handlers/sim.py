@@ -36,7 +36,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers import AutoConfig
 
 from kinference.errors import HandlerLoadError
 from kinference.handlers.base import HandlerContext
@@ -49,31 +48,35 @@ class SimulatedAccelerator(EmbeddingHandler):
     defaults = {**EmbeddingHandler.defaults, "fixed_ms": 1.0, "per_token_us": 0.5}
 
     def _load_model(self, model_dir: Path, dtype: torch.dtype) -> Any:
-        """The model's configuration only: there are no weights to run."""
-        return SimpleNamespace(config=AutoConfig.from_pretrained(model_dir, local_files_only=True))
+        """No weights to run: the configuration (``self.config``) is all there is."""
+        return SimpleNamespace(config=self.config)
 
     def setup(self, context: HandlerContext) -> None:
         super().setup(context)
-        self._device: Device | SharedDevice = Device() if context.host_dir is None else SharedDevice(
-            Path(context.host_dir) / DEVICE_FILE)
+        # A worker beside a device process queues nothing: the device process has the simulated device.
+        self._device: Device | SharedDevice | None = None
+        if context.role != "host":
+            self._device = Device() if context.host_dir is None else SharedDevice(Path(context.host_dir) / DEVICE_FILE)
 
     def configure(self, options: dict[str, Any]) -> None:
         super().configure(options)
         self.fixed_s = _non_negative(options, "fixed_ms") / 1000
         self.per_token_s = _non_negative(options, "per_token_us") / 1_000_000
-        self._width = int(self.model.config.hidden_size)
+        self._width = int(self.config.hidden_size)
 
     def inference(self, inputs: TextBatch) -> torch.Tensor:
+        assert self._device is not None, "inference runs in the device process"
         done_at = self._device.queue(self.fixed_s + self.per_token_s * inputs.tensors["input_ids"].numel())
         time.sleep(max(0.0, done_at - time.monotonic()))  # releases the GIL, as waiting for a GPU does
         return torch.zeros(inputs.real_rows, self._width)
 
     def stats(self) -> dict[str, float]:
         """Seconds the simulated device has been busy, and the calls it ran (with a shared device: every worker's)."""
-        return self._device.stats()
+        return self._device.stats() if self._device is not None else {"busy_s": 0.0, "calls": 0}
 
     def close(self) -> None:
-        self._device.close()
+        if self._device is not None:
+            self._device.close()
         super().close()
 
     def describe(self) -> dict[str, str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,13 +20,16 @@ from typing import Any, ClassVar
 import numpy as np
 import tokenizers
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from kinference.errors import HandlerLoadError, InvalidInput
 from kinference.handlers.accelerate import Accelerator
 from kinference.handlers.base import Handler, HandlerContext
 from kinference.handlers.options import one_of, positive_int, with_defaults
 from kinference.handlers.runtime import forward_for
+
+CALIBRATION_CORPORA = ("short", "mixed")
+"""The built-in corpora (loadgen/corpus.py) a device process can calibrate on: search queries, or mixed lengths."""
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -76,6 +80,30 @@ def check_model_dir(handler: str, model_dir: Path) -> None:
         raise HandlerLoadError(f"{handler}: the model directory {model_dir} lacks {', '.join(missing)}: {SAVE_HINT}")
 
 
+def _loaded(handler: str, model_dir: Path, load: Callable[[], Any]) -> Any:
+    """``load()``: whatever fails while loading, the service cannot start, and says which directory."""
+    try:
+        return load()
+    except HandlerLoadError:
+        raise
+    except Exception as exc:
+        raise HandlerLoadError(f"{handler}: cannot load the model in {model_dir}: {exc}") from exc
+
+
+def _load_tokenizer(handler: str, model_dir: Path) -> PreTrainedTokenizerBase:
+    # local_files_only: a directory without the files must fail here, not reach for the model hub.
+    tokenizer = _loaded(handler, model_dir, lambda: AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+    if not getattr(tokenizer, "is_fast", False):
+        raise HandlerLoadError(f"{handler}: the tokenizer in {model_dir} has no fast (Rust) version: save "
+                               "its tokenizer.json (AutoTokenizer.from_pretrained(..., use_fast=True)"
+                               ".save_pretrained(DIR))")
+    if tokenizer.pad_token_id is None:
+        raise HandlerLoadError(f"{handler}: the tokenizer in {model_dir} has no pad token to pad batches with: "
+                               "set one and save it (tokenizer.pad_token = tokenizer.eos_token; "
+                               "tokenizer.save_pretrained(DIR))")
+    return tokenizer
+
+
 def _json_type(value: Any) -> str:
     return _JSON_TYPES.get(type(value), "a number" if isinstance(value, int | float) else type(value).__name__)
 
@@ -122,9 +150,12 @@ class TextHandler(Handler):
     ``max_chars`` (longer requests are rejected, default 20000), ``dtype`` (float32, float16 or bfloat16),
     and, described in handlers/accelerate.py, ``amp`` (none, float16 or bfloat16; default none), ``compile``
     (default false), ``compile_backend`` (default inductor) and ``shape_buckets`` (default: as ``compile``);
-    in handlers/runtime.py, ``runtime`` (torch or onnxruntime) and ``quantize`` (none or int8); plus each
-    subclass's own ``defaults``.
+    in handlers/runtime.py, ``runtime`` (torch or onnxruntime) and ``quantize`` (none or int8);
+    ``calibration_corpus`` (short or mixed, default short: the lengths a device process calibrates on, see
+    docs/configuration.md); plus each subclass's own ``defaults``.
     """
+
+    device_process = True
 
     model_class: ClassVar[Any]
     """The transformers ``Auto`` class that loads the model, e.g. ``AutoModel``."""
@@ -139,6 +170,7 @@ class TextHandler(Handler):
         "shape_buckets": None,  # None: on when compiling
         "runtime": "torch",
         "quantize": "none",
+        "calibration_corpus": "short",
     }
     """Every option the handler knows, with its default; anything else is a typo and fails setup."""
 
@@ -146,25 +178,38 @@ class TextHandler(Handler):
         options = with_defaults(self.name, self.defaults, context.options)
         self.max_chars = positive_int(self.name, "max_chars", options["max_chars"])
         self.max_length = positive_int(self.name, "max_length", options["max_length"])
+        self.calibration_corpus = one_of(self.name, "calibration_corpus", options["calibration_corpus"],
+                                         CALIBRATION_CORPORA)
         dtype = DTYPES[one_of(self.name, "dtype", options["dtype"], DTYPES)]
         if context.model is None:
             self.model_name, model_dir = self.default_model()
         else:
             self.model_name, model_dir = context.model.resolve().name, context.model
-        self.device = torch.device(context.device)
-        self.accelerator = Accelerator.from_options(
-            self.name, options, self.device, context.max_batch_size, self.max_length
-        )
-        self._load(model_dir, dtype)
-        positions = getattr(self.model.config, "max_position_embeddings", None)
+        check_model_dir(self.name, model_dir)
+        self.tokenizer = _load_tokenizer(self.name, model_dir)
+        self.config = _loaded(self.name, model_dir, lambda: AutoConfig.from_pretrained(model_dir,
+                                                                                       local_files_only=True))
+        positions = getattr(self.config, "max_position_embeddings", None)
         if positions is not None and self.max_length > positions:
             raise HandlerLoadError(
                 f"{self.name}: max_length={self.max_length} is more than the {positions} positions of the model"
             )
         self._encoder = encoder(self.tokenizer, self.max_length)
         self._token_types = "token_type_ids" in self.tokenizer.model_input_names
-        self._onnx = forward_for(self.name, options, self.model, self._export_example, self.device, dtype)
-        self._forward = self._onnx or self.accelerator.compile(self.model)
+        self._onnx = None
+        if context.role == "host":
+            # A worker beside a device process: tokenise, collate on the host, write replies; no weights, and the
+            # device options (buckets, AMP, compile) are the device process's.
+            self.device = torch.device("cpu")
+            self.accelerator = Accelerator(self.device)
+        else:
+            self.device = torch.device(context.device)
+            self.accelerator = Accelerator.from_options(
+                self.name, options, self.device, context.max_batch_size, self.max_length
+            )
+            self.model = _loaded(self.name, model_dir, lambda: self._load_model(model_dir, dtype))
+            self._onnx = forward_for(self.name, options, self.model, self._export_example, self.device, dtype)
+            self._forward = self._onnx or self.accelerator.compile(self.model)
         self.configure(options)
 
     def default_model(self) -> tuple[str, Path]:
@@ -173,23 +218,6 @@ class TextHandler(Handler):
 
     def configure(self, options: dict[str, Any]) -> None:
         """Read the subclass's own options; the model is loaded by then."""
-
-    def _load(self, model_dir: Path, dtype: torch.dtype) -> None:
-        check_model_dir(self.name, model_dir)
-        # local_files_only: a directory without the files must fail here, not reach for the model hub.
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-            self.model = self._load_model(model_dir, dtype)
-        except Exception as exc:  # whatever fails while loading, the service cannot start
-            raise HandlerLoadError(f"{self.name}: cannot load the model in {model_dir}: {exc}") from exc
-        if not getattr(self.tokenizer, "is_fast", False):
-            raise HandlerLoadError(f"{self.name}: the tokenizer in {model_dir} has no fast (Rust) version: save "
-                                   "its tokenizer.json (AutoTokenizer.from_pretrained(..., use_fast=True)"
-                                   ".save_pretrained(DIR))")
-        if self.tokenizer.pad_token_id is None:
-            raise HandlerLoadError(f"{self.name}: the tokenizer in {model_dir} has no pad token to pad batches with: "
-                                   "set one and save it (tokenizer.pad_token = tokenizer.eos_token; "
-                                   "tokenizer.save_pretrained(DIR))")
 
     def _export_example(self) -> dict[str, torch.Tensor]:
         """A batch for the ONNX exporter to trace: two rows, 16 tokens (no size 1, which tracing could fix)."""
@@ -236,11 +264,8 @@ class TextHandler(Handler):
     def _collate(self, items: list[TextItem], rows: int, length: int) -> TextBatch:
         """Right-pad ``items`` into ``rows`` x ``length`` tensors; rows past the items are all padding."""
         # Filled in numpy, then one torch.from_numpy per tensor: about 5 us an item, against 40 for torch rows.
-        input_ids = np.full((rows, length), self.tokenizer.pad_token_id, dtype=np.int64)
-        attention_mask = np.zeros((rows, length), dtype=np.int64)
-        arrays = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if self._token_types:
-            arrays["token_type_ids"] = np.full((rows, length), self.tokenizer.pad_token_type_id, dtype=np.int64)
+        arrays = {name: np.full((rows, length), pad, dtype=np.int64) for name, pad in self._pads().items()}
+        input_ids, attention_mask = arrays["input_ids"], arrays["attention_mask"]
         for row, item in enumerate(items):
             size = len(item.input_ids)
             input_ids[row, :size] = item.input_ids
@@ -249,6 +274,35 @@ class TextHandler(Handler):
                 arrays["token_type_ids"][row, :size] = item.token_type_ids
         tensors = {name: self.accelerator.host(torch.from_numpy(array)) for name, array in arrays.items()}
         return TextBatch(tensors, real_rows=len(items), real_tokens=sum(len(item.input_ids) for item in items))
+
+    def _pads(self) -> dict[str, int]:
+        """Each input tensor's padding value: what fills the columns past a text's end and the rows past the items."""
+        pads = {"input_ids": self.tokenizer.pad_token_id, "attention_mask": 0}
+        if self._token_types:
+            pads["token_type_ids"] = self.tokenizer.pad_token_type_id
+        return pads
+
+    def merge(self, inputs: list[TextBatch]) -> TextBatch:
+        """The device process's batch: the real rows of every micro-batch, in order, padded to the longest and (with
+        shape buckets) up to a bucket shape, in pinned memory on CUDA. Each worker collated only its own rows."""
+        rows = sum(batch.real_rows for batch in inputs)
+        longest = max(batch.tensors["input_ids"].shape[1] for batch in inputs)
+        buckets = self.accelerator.buckets
+        shape = (rows, longest) if buckets is None else buckets.shape(rows, longest)
+        merged = {name: torch.full(shape, pad, dtype=torch.int64) for name, pad in self._pads().items()}
+        row = 0
+        for batch in inputs:
+            count = batch.real_rows
+            for name, tensor in batch.tensors.items():
+                merged[name][row : row + count, : tensor.shape[1]] = tensor[:count]
+            row += count
+        tensors = {name: self.accelerator.host(tensor) for name, tensor in merged.items()}
+        return TextBatch(tensors, real_rows=rows, real_tokens=sum(batch.real_tokens for batch in inputs))
+
+    def calibration_payloads(self, count: int) -> list[dict[str, str]]:
+        from kinference.loadgen.corpus import builtin_corpus
+
+        return builtin_corpus(self.calibration_corpus, count)
 
     def warm_up(self) -> None:
         """Run one tiny batch; with shape buckets, one batch of every bucket shape (this compiles them all)."""

@@ -165,8 +165,8 @@ def _serve_workers(workers: int, handler: str, handler_options: dict[str, Any], 
              "--log-level", "WARNING", "--workers", "1", "--no-metrics",
              *(item for key, value in SERVE_KAFKA.items() for item in ("--kafka-consumer", f"{key}={value}")),
              *(item for key, value in handler_options.items() for item in ("--handler-options", f"{key}={value}"))]
-    supervisor = Supervisor(workers, lambda report: [sys.executable, "-m", "kinference", "serve", *flags,
-                                                     "--worker-report", str(report)], grace_s=5.0)
+    supervisor = Supervisor(workers, lambda member: [sys.executable, "-m", "kinference", "serve", *flags,
+                                                     "--worker-report", str(member.report)], grace_s=5.0)
     runner = threading.Thread(target=supervisor.run, name="drain-supervisor", daemon=True)
     runner.start()
     try:

@@ -42,3 +42,21 @@ class TaggedEcho(EchoHandler):
 
     def postprocess(self, outputs: list[Any], items: list[Any]) -> list[Any]:
         return [{"value": output, "pid": self._pid} for output in outputs]
+
+
+class DeviceEcho(EchoHandler):
+    """Echo run in a device process (``--device-process on``): each result is ``{"value": <request>, "device_pid":
+    <the device process's pid>}``, so a test sees which device process answered. Its inputs cross the process
+    boundary as plain data (pickled in the arena's message); ``merge`` joins the workers' micro-batches."""
+
+    name = "device-echo"
+    device_process = True
+
+    def setup(self, context: HandlerContext) -> None:
+        self._pid = os.getpid()
+
+    def merge(self, inputs: list[list[Any]]) -> list[Any]:
+        return [item for batch in inputs for item in batch]
+
+    def inference(self, inputs: list[Any]) -> list[Any]:
+        return [{"value": item, "device_pid": self._pid} for item in inputs]

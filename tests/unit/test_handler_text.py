@@ -119,7 +119,7 @@ def test_describe_names_the_model_directory_and_device(tiny_model: Path) -> None
         (
             {"max_lenght": 64},
             "unknown handler option(s) max_lenght; known: max_length, max_chars, dtype, amp, compile, compile_backend, "
-            "shape_buckets, runtime, quantize, top_k",
+            "shape_buckets, runtime, quantize, calibration_corpus, top_k",
         ),
         ({"max_length": 0}, "max_length must be an integer >= 1, not 0"),
         ({"max_length": "64"}, "max_length must be an integer >= 1, not '64'"),

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kinference.consumer.endpoints import Endpoints
-from kinference.consumer.supervisor import Restarts, Supervisor
+from kinference.consumer.supervisor import Member, Restarts, Supervisor
 from tests.fakes import wait_for
 
 # A worker that reports what its argv says and runs until SIGTERM (exit 0) or SIGINT (exit 5).
@@ -33,7 +33,7 @@ while True:
 
 
 def test_a_worker_that_keeps_dying_stops_the_supervisor_with_exit_code_1(tmp_path: Path):
-    supervisor = Supervisor(2, lambda report: [sys.executable, "-c", "import sys; sys.exit(3)"], grace_s=1,
+    supervisor = Supervisor(2, lambda member: [sys.executable, "-c", "import sys; sys.exit(3)"], grace_s=1,
                             metrics_dir=tmp_path, restarts=Restarts(backoff_s=(0.01, 0.05), quick_deaths=3))
     assert supervisor.run() == 1
     assert max(worker.restarts for worker in supervisor.workers) == 2  # started 3 times, then given up on
@@ -43,7 +43,8 @@ def test_a_worker_that_keeps_dying_stops_the_supervisor_with_exit_code_1(tmp_pat
 
 
 def test_health_names_the_unhealthy_worker_and_a_signal_reaches_every_worker(tmp_path: Path):
-    def command(report: Path) -> list[str]:
+    def command(member: Member) -> list[str]:
+        report = member.report
         return [sys.executable, "-c", _WORKER, str(report), "healthy" if report.name == "worker-0.json" else "sick"]
 
     supervisor = Supervisor(2, command, grace_s=5, metrics_dir=tmp_path / "metrics")
@@ -74,11 +75,11 @@ def test_health_names_the_unhealthy_worker_and_a_signal_reaches_every_worker(tmp
 def test_a_worker_that_died_is_started_again(tmp_path: Path):
     flag = tmp_path / "died-once"
 
-    def command(report: Path) -> list[str]:
+    def command(member: Member) -> list[str]:
         # The first start exits at once; the next one runs like a worker.
         script = (f"import pathlib, sys\np = pathlib.Path({str(flag)!r})\n"
                   "if not p.exists():\n    p.touch(); sys.exit(1)\n")
-        return [sys.executable, "-c", script + _WORKER, str(report), "healthy"]
+        return [sys.executable, "-c", script + _WORKER, str(member.report), "healthy"]
 
     supervisor = Supervisor(1, command, grace_s=5, metrics_dir=tmp_path / "metrics",
                             restarts=Restarts(backoff_s=(0.05, 0.1)))

@@ -1,0 +1,211 @@
+"""The device process's parts in one test process: the shared arena, the server that merges the micro-batches of
+several worker threads into one device batch, and the link that survives a restart of the server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from kinference.consumer.arena import Arena, ArenaFull
+from kinference.consumer.calibration import Calibration, calibrate, worker_cap
+from kinference.consumer.device import DeviceBatching, DeviceMetrics, DeviceServer
+from kinference.consumer.device_link import DeviceError, DeviceLink, DeviceUnavailable
+from kinference.handlers import Handler, HandlerContext
+from kinference.handlers.classification import TextClassificationHandler
+from kinference.handlers.text import TextBatch
+from tests.fakes import wait_for
+from tests.models import build_tiny_classifier, varied_texts
+
+
+def test_the_arena_carries_tensors_and_arrays_in_place_and_the_rest_pickled() -> None:
+    arena = Arena(1 << 20)
+    try:
+        ids = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+        value = {"ids": ids, "mask": np.ones((3, 4), dtype=np.int8), "empty": torch.empty(0, 5), "rows": 3,
+                 "name": "x", "batch": TextBatch({"input_ids": ids[:, :2]}, real_rows=3, real_tokens=6)}
+        meta = arena.write_inputs(value)
+        assert len(meta) < 1000  # the tensors are not in the message
+        read = arena.read_inputs(meta)
+        assert torch.equal(read["ids"], ids) and read["mask"].tolist() == [[1] * 4] * 3
+        assert read["empty"].shape == (0, 5) and read["rows"] == 3 and read["name"] == "x"
+        assert torch.equal(read["batch"].tensors["input_ids"], ids[:, :2]) and read["batch"].real_rows == 3
+        # The device side reads in place: a view of the arena, not a copy.
+        ids.add_(100)
+        arena.write_inputs({"ids": ids})
+        assert read["ids"][0, 0].item() == 100
+        # Outputs go to the other half and are copied out: the next call cannot change them.
+        outputs = arena.read_outputs(arena.write_outputs(torch.ones(3, 2)))
+        arena.write_outputs(torch.zeros(3, 2))
+        assert outputs.sum().item() == 6
+    finally:
+        arena.close()
+
+
+def test_a_micro_batch_larger_than_the_arena_fails_saying_what_to_raise() -> None:
+    arena = Arena(4096)
+    try:
+        with pytest.raises(ArenaFull, match="--device-arena-mb"):
+            arena.write_inputs(torch.zeros(1024, dtype=torch.int64))
+    finally:
+        arena.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_classifier(tmp_path_factory.mktemp("tiny"))
+
+
+def _handler(model: Path, role: str, **options: Any) -> TextClassificationHandler:
+    handler = TextClassificationHandler()
+    handler.setup(HandlerContext(device="cpu", model=model, options=options, max_batch_size=64, role=role))
+    return handler
+
+
+def test_the_host_side_loads_no_weights_and_the_merged_batch_gives_the_in_process_results(tiny: Path) -> None:
+    host, whole = _handler(tiny, "host"), _handler(tiny, "process")
+    device = _handler(tiny, "device", shape_buckets=True)
+    assert not hasattr(host, "model") and hasattr(device, "model")
+    texts = varied_texts(10, max_words=30)
+    parts = [texts[:3], texts[3:4], texts[4:]]
+    batches = [host.preprocess(host.validate_many([{"text": text} for text in part])) for part in parts]
+    merged = device.merge(batches)
+    # Bucketed on the device side: padding rows and columns beyond the items, never in the results.
+    assert merged.real_rows == 10 and merged.tensors["input_ids"].shape[0] == 16
+    assert merged.tensors["input_ids"].shape[1] >= max(batch.tensors["input_ids"].shape[1] for batch in batches)
+    outputs = device.inference(merged)
+    expected = whole.inference(whole.preprocess(whole.validate_many([{"text": text} for text in texts])))
+    assert outputs.shape == expected.shape
+    torch.testing.assert_close(outputs, expected, atol=1e-5, rtol=1e-4)
+
+
+class _Recorder(Handler):
+    """Doubles each row; remembers the row count of every device batch; fails a batch holding -1."""
+
+    device_process = True
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.batches: list[int] = []
+        self.gate = gate
+
+    def merge(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(inputs)
+
+    def inference(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            self.gate.wait(10)
+        if (inputs == -1).any():
+            raise ValueError("a poison row")
+        self.batches.append(len(inputs))
+        return inputs * 2
+
+
+def _server(tmp_path: Path, handler: Handler, max_rows: int = 64) -> DeviceServer:
+    return DeviceServer({"m": handler}, tmp_path / "device.sock", DeviceBatching(max_rows),
+                        DeviceMetrics(0, CollectorRegistry())).start()
+
+
+def test_micro_batches_of_several_threads_run_as_one_device_batch_and_come_back_to_their_own(tmp_path: Path) -> None:
+    gate = threading.Event()
+    handler = _Recorder(gate)
+    server = _server(tmp_path, handler)
+    link = DeviceLink(server.path, 1 << 20, wait_s=10)
+    results: dict[int, torch.Tensor] = {}
+
+    def call(index: int) -> None:
+        results[index] = link.infer("m", 4, torch.full((4, 3), float(index)))
+
+    try:
+        link.wait_ready()
+        # The first call holds the device while the others queue up: they are merged into one batch.
+        threads = [threading.Thread(target=call, args=(index,)) for index in range(5)]
+        threads[0].start()
+        assert wait_for(lambda: not server.waiting and len(server._jobs) == 0, timeout_s=10)
+        time.sleep(0.2)  # the first call is in the handler, holding the device
+        for thread in threads[1:]:
+            thread.start()
+        assert wait_for(lambda: server.waiting == 4, timeout_s=10)
+        gate.set()
+        for thread in threads:
+            thread.join(10)
+        assert {index: result.tolist() for index, result in results.items()} == {
+            index: [[2.0 * index] * 3] * 4 for index in range(5)}
+        assert handler.batches == [4, 16]
+    finally:
+        link.close()
+        server.stop(5)
+
+
+def test_a_failing_micro_batch_fails_alone_in_a_merged_batch(tmp_path: Path) -> None:
+    gate = threading.Event()
+    handler = _Recorder(gate)
+    server = _server(tmp_path, handler)
+    link = DeviceLink(server.path, 1 << 20, wait_s=10)
+    outcomes: dict[int, Any] = {}
+
+    def call(index: int) -> None:
+        try:
+            outcomes[index] = link.infer("m", 2, torch.full((2, 1), -1.0 if index == 2 else float(index)))
+        except DeviceError as exc:
+            outcomes[index] = exc
+
+    try:
+        threads = [threading.Thread(target=call, args=(index,)) for index in range(4)]
+        threads[0].start()
+        time.sleep(0.2)  # the first call is in the handler, holding the device
+        for thread in threads[1:]:
+            thread.start()
+        assert wait_for(lambda: server.waiting == 3, timeout_s=10)
+        gate.set()
+        for thread in threads:
+            thread.join(10)
+        assert isinstance(outcomes[2], DeviceError) and "a poison row" in str(outcomes[2])
+        assert all(outcomes[index].tolist() == [[2.0 * index]] * 2 for index in (0, 1, 3))
+    finally:
+        link.close()
+        server.stop(5)
+
+
+def test_a_call_is_sent_again_to_a_restarted_device_process_and_fails_only_after_the_wait(tmp_path: Path) -> None:
+    handler = _Recorder()
+    server = _server(tmp_path, handler)
+    link = DeviceLink(server.path, 1 << 20, wait_s=10)
+    try:
+        assert link.infer("m", 1, torch.ones(1, 1)).item() == 2
+        server.stop(5)  # the device process dies: the call below waits for the next one
+        answer: list[Any] = []
+        caller = threading.Thread(target=lambda: answer.append(link.infer("m", 1, torch.full((1, 1), 5.0))))
+        caller.start()
+        time.sleep(0.5)
+        assert not answer
+        server = _server(tmp_path, handler)
+        caller.join(10)
+        assert answer and answer[0].item() == 10
+    finally:
+        link.close()
+        server.stop(5)
+    impatient = DeviceLink(tmp_path / "nobody.sock", 1 << 20, wait_s=0.3)
+    with pytest.raises(DeviceUnavailable, match=r"did not answer for 0\.3 s"):
+        impatient.infer("m", 1, torch.ones(1, 1))
+    impatient.close()
+
+
+def test_calibration_picks_the_knee_of_the_device_curve_and_sizes_workers(tiny: Path, tmp_path: Path) -> None:
+    handler = _handler(tiny, "device", shape_buckets=True)
+    result = calibrate(handler, max_rows=16)
+    assert result is not None
+    assert list(result.curve) == [1, 2, 4, 8, 16]
+    best = max(result.curve.values())
+    assert result.curve[result.batch_size] >= 0.9 * best
+    assert all(rate < 0.9 * best for size, rate in result.curve.items() if size < result.batch_size)
+    assert result.workers >= 1 and result.host_us_per_item > 35
+    result.write(tmp_path / "calibration.json")
+    assert Calibration.read(tmp_path / "calibration.json") == result
+    assert "device batch size" in result.line()
+    assert worker_cap(devices=1, cores=16) == 14 and worker_cap(devices=1, cores=2) == 1
