@@ -256,15 +256,14 @@ def _run_workers(args: argparse.Namespace, config: ServiceConfig, plan: Plan) ->
     ``--workers 1``. Exit 0 after a clean stop, 1 when a process kept dying."""
     from prometheus_client import CollectorRegistry
 
-    from kinference.consumer.device_process import socket_path
     from kinference.consumer.endpoints import Endpoints
-    from kinference.consumer.supervisor import Member, Supervisor
+    from kinference.consumer.supervisor import Member, Supervisor, member_argv
 
     # Each model's settings with its handler's own (a TorchServe archive's), checked here: a bad one fails once,
     # with exit code 2, instead of in every worker until the supervisor gives up.
     config.model_configs()
     with ExitStack() as stack:
-        overrides = ["--workers", "1", "--no-metrics"]
+        overrides = ["--no-metrics"]
         if config.embedded_broker:  # one broker for the host, started here
             from kinference.consumer.broker import LOW_LATENCY_CONSUMER
 
@@ -273,17 +272,11 @@ def _run_workers(args: argparse.Namespace, config: ServiceConfig, plan: Plan) ->
             config = _with_embedded_broker(stack, config)
             overrides += ["--no-embedded-broker", "--bootstrap-servers", config.bootstrap_servers, *tuned]
         serve_argv = args.argv[args.argv.index("serve") + 1:]
-        prefix = [sys.executable, "-m", "kinference", "serve", *serve_argv, *overrides]
+        serve = [sys.executable, "-m", "kinference", "serve", *serve_argv, *overrides]
         given_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
         def command(member: Member) -> list[str]:
-            own = ["--worker-report", str(member.report)]
-            if member.kind == "device":  # the user's --workers stays: auto asks it to calibrate for the supervisor
-                return [sys.executable, "-m", "kinference", "serve", *serve_argv, "--no-metrics",
-                        "--no-embedded-broker", *own, "--device-index", str(member.index)]
-            if plan.devices:  # the workers are spread over the device processes
-                own += ["--device-socket", str(socket_path(supervisor.host_dir, member.index % plan.devices))]
-            return [*prefix, *own]
+            return member_argv(member, serve, plan.devices, supervisor.host_dir)
 
         supervisor = Supervisor(plan.workers, command, grace_s=config.shutdown_grace_s, devices=plan.devices,
                                 metrics_dir=Path(given_dir) if given_dir else None)

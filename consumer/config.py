@@ -406,7 +406,7 @@ class ServiceConfig(BaseModel):
     )
     device_batch_size: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
         "auto", description="The most items in one batch of the device process (micro-batches of the workers "
-        "merged). auto: the smallest batch size within 10% of the best items/s in the start-up calibration.",
+        "merged). auto: the smallest batch size within a tenth of the best items/s in the start-up calibration.",
     )
     device_threads: int = Field(
         2, ge=1, le=16, description="Threads of the device process that each run one device batch at a time (a "

@@ -131,6 +131,20 @@ class Member:
         return f"{self.kind} {self.index}"
 
 
+def member_argv(member: Member, serve: list[str], devices: int, host_dir: Path) -> list[str]:
+    """A supervised process's argv: ``serve`` (``kinference serve`` and the host's flags) with its role's. A worker
+    serves as one process (``--workers 1``), with the socket of its device process (the workers are spread over
+    ``devices``); a device process keeps the host's ``--workers`` (``auto`` asks it to calibrate for them)."""
+    from kinference.consumer.device_process import socket_path
+
+    own = ["--worker-report", str(member.report)]
+    if member.kind == "device":
+        return [*serve, *own, "--device-index", str(member.index)]
+    if devices:
+        own += ["--device-socket", str(socket_path(host_dir, member.index % devices))]
+    return [*serve, "--workers", "1", *own]
+
+
 @dataclass(frozen=True)
 class WorkerState:
     """What the supervisor knows of one worker now."""
@@ -159,8 +173,10 @@ class Supervisor:
         self._env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
         self.devices = [Member("device", index, self._reports / f"device-{index}.json") for index in range(devices)]
         self._worker_count = workers
-        self.workers: list[Member] = []
-        """The workers, once started (at once without device processes, else once these are ready)."""
+        self.workers = [] if workers is None else [Member("worker", index, self._reports / f"worker-{index}.json")
+                                                   for index in range(workers)]
+        """The workers (with ``--workers auto``, once sized); they start once every device process is ready."""
+        self._workers_started = False
         self._signal: int | None = None
         self._lock = threading.Lock()
         """Held while processes are started or reaped: the HTTP threads read their state."""
@@ -185,7 +201,7 @@ class Supervisor:
             for device in self.devices:
                 self._spawn(device)
             while self._signal is None:
-                if not self.workers:
+                if not self._workers_started:
                     self._start_workers()
                 time.sleep(_TICK_S)
                 if not self._tick(time.monotonic()):
@@ -203,11 +219,12 @@ class Supervisor:
         """Once every device process is ready: as many workers as asked, or as the calibrations say."""
         if not all(self._state(device, time.monotonic()).ready for device in self.devices):
             return
-        count = self._worker_count if self._worker_count is not None else self._sized()
-        members = [Member("worker", index, self._reports / f"worker-{index}.json") for index in range(count)]
-        with self._lock:
-            self.workers = members
-        for worker in members:
+        if self._worker_count is None:
+            sized = [Member("worker", index, self._reports / f"worker-{index}.json") for index in range(self._sized())]
+            with self._lock:
+                self.workers = sized
+        self._workers_started = True
+        for worker in self.workers:
             self._spawn(worker)
 
     def _sized(self) -> int:

@@ -59,7 +59,7 @@ from rich.table import Table
 
 from kinference.consumer.broker import BROKER_KINDS, LOW_LATENCY_CONSUMER, local_broker
 from kinference.consumer.service import Service, resolve_device
-from kinference.consumer.supervisor import Supervisor
+from kinference.consumer.supervisor import Supervisor, member_argv
 from kinference.consumer.topics import create_topics
 from kinference.handlers import HandlerContext, load_handler
 from kinference.loadgen.bench.baselines import CommittingRelay, LoopThread
@@ -118,6 +118,8 @@ class Drain:
 
 
 CONTENDERS = ("relay", "kinference-echo", "kinference-echo-traced", "kinference-sim", "kinference-embedding",
+              "kinference-sim-device", "kinference-sim-device-1-worker", "kinference-sim-device-2-workers",
+              "kinference-sim@1x-echo-device", "kinference-embedding-device",
               "kinference-echo-2-workers", "kinference-sim-2-workers")
 SIM_OPTIONS = {"fixed_ms": SIM_FIXED_MS, "per_token_us": SIM_PER_TOKEN_US}
 """Every contender ``--contenders`` may name; ``DrainOptions.contenders`` runs by default."""
@@ -154,24 +156,24 @@ class _Workers:
 
 
 @contextlib.contextmanager
-def _serve_workers(workers: int, handler: str, handler_options: dict[str, Any], bootstrap_servers: str,
-                   topics: Topics) -> Iterator[_Workers]:
-    """kinference's defaults as the other contenders run them, with ``--workers``: a supervisor (in this process)
-    and its worker processes."""
-    flags = ["--bootstrap-servers", bootstrap_servers, "--request-topics", topics["requests"],
+def _serve_workers(run: Supervised, bootstrap_servers: str, topics: Topics) -> Iterator[_Workers]:
+    """kinference's defaults as the other contenders run them, with ``--workers`` and ``--device-process``: a
+    supervisor (in this process), its device process if any, and its worker processes."""
+    flags = [sys.executable, "-m", "kinference", "serve", "--bootstrap-servers", bootstrap_servers,
+             "--request-topics", topics["requests"],
              "--reply-topic", topics["replies"], "--dead-letter-topic", topics["dead"],
-             "--group-id", f"bench-{topics['requests']}", "--handler", handler,
+             "--group-id", f"bench-{topics['requests']}", "--handler", run.handler,
              "--commit-interval-ms", str(int(COMMIT_INTERVAL_S * 1000)), "--shutdown-grace-s", "5",
-             "--log-level", "WARNING", "--workers", "1", "--no-metrics",
+             "--log-level", "WARNING", "--no-metrics", "--workers", str(run.workers or "auto"),
              *(item for key, value in SERVE_KAFKA.items() for item in ("--kafka-consumer", f"{key}={value}")),
-             *(item for key, value in handler_options.items() for item in ("--handler-options", f"{key}={value}"))]
-    supervisor = Supervisor(workers, lambda member: [sys.executable, "-m", "kinference", "serve", *flags,
-                                                     "--worker-report", str(member.report)], grace_s=5.0)
+             *(item for key, value in run.handler_options.items() for item in ("--handler-options", f"{key}={value}"))]
+    supervisor = Supervisor(run.workers, lambda member: member_argv(member, flags, run.devices, supervisor.host_dir),
+                            grace_s=5.0, devices=run.devices)
     runner = threading.Thread(target=supervisor.run, name="drain-supervisor", daemon=True)
     runner.start()
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S + 120  # interpreters, imports and the model, then the group
-        while not all(supervisor.readiness_checks().values()):
+        while not supervisor.workers or not all(supervisor.readiness_checks().values()):
             ready_or_fail(time.monotonic() < deadline and runner.is_alive(), f"bench-{topics['requests']}")
             time.sleep(_WATCH_S)
         yield _Workers(supervisor)
@@ -180,11 +182,22 @@ def _serve_workers(workers: int, handler: str, handler_options: dict[str, Any], 
         runner.join(READY_TIMEOUT_S)
 
 
-def workers_drain(name: str, about: str, handler: str, topics: Topics, requests: int,
-                  handler_options: dict[str, Any] | None = None) -> Drain:
-    """A ``serve --workers 2`` contender (the ``-2-workers`` ones)."""
-    return Drain(name, about, partial(_serve_workers, 2, handler, handler_options or {}),
-                 f"bench-{topics['requests']}", requests, backlog_after_ready=True)
+@dataclass(frozen=True)
+class Supervised:
+    """A supervised contender: its handler, and its processes: workers (None: ``--workers auto``) and device
+    processes (0: none)."""
+
+    handler: str
+    handler_options: dict[str, Any] = field(default_factory=dict)
+    workers: int | None = 2
+    devices: int = 0
+
+
+def workers_drain(name: str, about: str, run: Supervised, topics: Topics, requests: int) -> Drain:
+    """A supervised contender: ``serve --workers 2`` (the ``-2-workers`` ones), or with a device process (the
+    ``-device`` ones)."""
+    return Drain(name, about, partial(_serve_workers, run), f"bench-{topics['requests']}", requests,
+                 backlog_after_ready=True)
 
 
 def _committing_relay(bootstrap_servers: str, topic: str) -> LoopThread:
@@ -216,6 +229,8 @@ class Run:
         self.console = console
         self.began = time.monotonic()
         self.payloads = builtin_corpus(options.corpus, seed=options.seed)
+        self.sim_capacity: float | None = None
+        """Items/s of the simulated GPU at its modelled speed, at the batches the ``kinference-sim`` drain formed."""
         self.ingest_us_per_msg: float | None = None
         """The broker's CPU per message to take in a backlog (see ``Drain.backlog_after_ready``)."""
 
@@ -247,12 +262,13 @@ class Run:
                     topics, options.embedding_requests)))
             if "kinference-echo-2-workers" in options.contenders:
                 rows.append(self._drain(lambda topics: workers_drain(
-                    "kinference-echo-2-workers", "kinference-echo with --workers 2", "echo", topics,
+                    "kinference-echo-2-workers", "kinference-echo with --workers 2", Supervised("echo"), topics,
                     options.requests)))
             if "kinference-sim-2-workers" in options.contenders:
                 rows.append(self._drain(lambda topics: workers_drain(
                     "kinference-sim-2-workers", "kinference-sim with --workers 2, one simulated device for both",
-                    "sim", topics, options.requests, handler_options=SIM_OPTIONS)))
+                    Supervised("sim", SIM_OPTIONS), topics, options.requests)))
+            rows += self._device_processes(echo_rate)
         if "kinference-embedding" in options.contenders:
             ceiling = self._ceiling()
         report = {"command": "kinference drain", "started": started, "wall_s": round(time.monotonic() - self.began, 1),
@@ -272,7 +288,7 @@ class Run:
             "kinference-sim", f"simulated GPU: {SIM_FIXED_MS:g} ms + {SIM_PER_TOKEN_US:g} us/token", "sim", topics,
             options.requests, handler_options=SIM_OPTIONS))
         rows = [modelled]
-        capacity = modelled["extra"].get("device_capacity_per_s")
+        capacity = self.sim_capacity = modelled["extra"].get("device_capacity_per_s")
         if echo_rate is None or not capacity:
             return rows
         for threads, fraction in itertools.product(options.sim_inference_threads, options.sim_capacities):
@@ -283,6 +299,30 @@ class Run:
                 f"echo drain rate; {threads} inference thread(s)", "sim", topics, options.requests,
                 handler_options={"fixed_ms": SIM_FIXED_MS * slowdown, "per_token_us": SIM_PER_TOKEN_US * slowdown},
                 parallelism={"inference": threads})))
+        return rows
+
+    def _device_processes(self, echo_rate: float | None) -> list[dict[str, Any]]:
+        """The contenders with a device process (``--device-process on``, the default on a GPU host): the simulated
+        GPU at its modelled speed with the default worker count (auto) and with 1 and 2 workers, the simulated
+        GPU as fast as the echo drain with the default worker count, and the real MiniLM (on the CPU: does the
+        split pay there?)."""
+        options, rows = self.options, []
+        runs = [(f"kinference-sim-device{'' if workers is None else f'-{workers}-worker' + 's' * (workers > 1)}",
+                 f"kinference-sim with a device process, --workers {workers or 'auto'}", "sim", SIM_OPTIONS, workers,
+                 options.requests) for workers in (None, 1, 2)]
+        if echo_rate is not None and self.sim_capacity:
+            slowdown = self.sim_capacity / echo_rate
+            runs.append(("kinference-sim@1x-echo-device", f"the simulated GPU slowed {slowdown:.2f}x (capacity: the "
+                         "echo drain rate), a device process, --workers auto", "sim",
+                         {"fixed_ms": SIM_FIXED_MS * slowdown, "per_token_us": SIM_PER_TOKEN_US * slowdown}, None,
+                         options.requests))
+        runs.append(("kinference-embedding-device", "the real MiniLM in a device process, --workers 1", "embedding",
+                     {}, 1, options.embedding_requests))
+        for name, about, handler, handler_options, workers, requests in runs:
+            if name in options.contenders:
+                run = Supervised(handler, handler_options, workers, devices=1)
+                rows.append(self._drain(lambda topics, n=name, a=about, run=run, r=requests:
+                                        workers_drain(n, a, run, topics, r)))
         return rows
 
     def _drain(self, make: Any) -> dict[str, Any]:
