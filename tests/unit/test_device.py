@@ -209,3 +209,13 @@ def test_calibration_picks_the_knee_of_the_device_curve_and_sizes_workers(tiny: 
     assert Calibration.read(tmp_path / "calibration.json") == result
     assert "device batch size" in result.line()
     assert worker_cap(devices=1, cores=16) == 14 and worker_cap(devices=1, cores=2) == 1
+
+
+def test_dtype_auto_keeps_float32_on_the_cpu_and_takes_half_precision_where_it_agrees(tiny: Path) -> None:
+    handler = _handler(tiny, "process")
+    assert handler.dtype == torch.float32
+    # What dtype=auto does on CUDA at setup, run here on the CPU: float16 weights, since the tiny model's results
+    # in float16 agree with float32 on the warm-up batch. (Setup on a CUDA device is the GPU's to run.)
+    reduced, dtype = handler._reduced_precision(handler.model)
+    assert dtype == torch.float16 and next(reduced.parameters()).dtype == torch.float16
+    assert next(handler.model.parameters()).dtype == torch.float32  # a copy: the float32 model is left alone

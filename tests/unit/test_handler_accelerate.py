@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from kinference.errors import HandlerLoadError
-from kinference.handlers.accelerate import Accelerator, ShapeBuckets, bucket_for, powers_of_two
+from kinference.handlers.accelerate import (
+    Accelerator,
+    CudaGraphs,
+    ShapeBuckets,
+    agreement,
+    bucket_for,
+    powers_of_two,
+)
 from kinference.handlers.text import TextHandler
 
 CPU = torch.device("cpu")
@@ -59,7 +66,7 @@ def accelerator(device: str = "cpu", **options: Any) -> Accelerator:
 def test_by_default_nothing_is_accelerated() -> None:
     default = accelerator()
     assert (default.amp, default.compile_backend, default.buckets) == (None, None, None)
-    assert default.describe() == {"amp": "none", "compile": "off", "shape_buckets": "off"}
+    assert default.describe() == {"amp": "none", "compile": "off", "cuda_graphs": "off", "shape_buckets": "off"}
 
 
 def test_compiling_turns_shape_buckets_on_unless_told() -> None:
@@ -70,6 +77,7 @@ def test_compiling_turns_shape_buckets_on_unless_told() -> None:
     assert accelerator(amp="bfloat16", compile=True).describe() == {
         "amp": "bfloat16",
         "compile": "inductor",
+        "cuda_graphs": "off",
         "shape_buckets": "on",
     }
 
@@ -84,6 +92,8 @@ def test_compiling_turns_shape_buckets_on_unless_told() -> None:
         ({"shape_buckets": 1}, "handler option shape_buckets must be true or false, not 1"),
         ({"compile": True, "shape_buckets": False}, "compile=true needs shape_buckets=true"),
         ({"compile": True, "compile_backend": "inductr"}, "compile_backend must be a torch.compile backend such as"),
+        ({"cuda_graphs": True}, "cuda_graphs=true needs a CUDA device, not cpu"),
+        ({"cuda_graphs": "maybe"}, "handler option cuda_graphs must be true or false, not 'maybe'"),
     ],
 )
 def test_bad_options_fail_with_the_fix(options: dict[str, Any], expected: str) -> None:
@@ -97,7 +107,7 @@ def test_a_gpu_may_run_float16() -> None:
 
 
 def test_a_compiled_model_without_buckets_cannot_be_built() -> None:
-    with pytest.raises(ValueError, match="a compiled model needs shape buckets"):
+    with pytest.raises(ValueError, match="a compiled or graphed model needs shape buckets"):
         Accelerator(CPU, compile_backend="eager")
 
 
@@ -129,3 +139,50 @@ def test_compile_leaves_an_uncompiled_model_as_it_is_and_wraps_a_compiled_one() 
     compiled = accelerator(compile=True, compile_backend="eager").compile(model)
     assert compiled is not model
     torch.testing.assert_close(compiled(torch.ones(1, 2)), model(torch.ones(1, 2)))
+
+
+def test_cuda_graphs_are_on_by_default_with_cuda_and_bring_shape_buckets() -> None:
+    # Deciding needs no GPU; capturing does (below: what happens where a capture fails).
+    gpu = accelerator("cuda")
+    assert gpu.graphs and gpu.buckets == ShapeBuckets((1, 2, 4, 8), (16, 32, 64))
+    assert isinstance(gpu.compile(torch.nn.Linear(2, 2)), CudaGraphs)
+    assert not accelerator("cuda", cuda_graphs=False).graphs
+    assert not accelerator("cuda", compile=True).graphs  # compile on CUDA graphs the compiled model itself
+    with pytest.raises(HandlerLoadError, match="cuda_graphs needs shape_buckets=true"):
+        accelerator("cuda", shape_buckets=False)
+
+
+class _Encoder(torch.nn.Module):
+    """A model called as the text handlers call theirs: keyword tensors in, a mapping of tensors out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"last_hidden_state": self.embed(input_ids) * attention_mask.unsqueeze(-1)}
+
+
+def test_a_shape_whose_graph_cannot_be_captured_runs_eagerly_with_the_same_results(caplog) -> None:
+    # On this machine (no GPU) every capture fails, as an op that cannot be captured fails on a GPU: the shape is
+    # remembered as eager, and runs so from then on, without trying again.
+    model = _Encoder()
+    graphed = CudaGraphs(model, CPU)
+    inputs = {"input_ids": torch.tensor([[1, 2, 0]]), "attention_mask": torch.tensor([[1, 1, 0]])}
+    with caplog.at_level("WARNING"):
+        first = graphed(**inputs)
+    assert "CUDA graph capture failed" in caplog.text
+    torch.testing.assert_close(first["last_hidden_state"], model(**inputs)["last_hidden_state"])
+    caplog.clear()
+    graphed(**inputs)
+    assert "capture failed" not in caplog.text  # once per shape
+    graphed.capturing = False
+    other = {"input_ids": torch.tensor([[3, 4]]), "attention_mask": torch.tensor([[1, 1]])}
+    torch.testing.assert_close(graphed(**other)["last_hidden_state"], model(**other)["last_hidden_state"])
+    assert "capture failed" not in caplog.text  # after the warm-up, a new shape is not captured
+
+
+def test_agreement_is_the_worst_row_cosine() -> None:
+    reference = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    assert agreement(reference, reference) == pytest.approx(1.0)
+    assert agreement(reference, torch.tensor([[1.0, 0.0], [1.0, 1.0]])) == pytest.approx(2**-0.5)

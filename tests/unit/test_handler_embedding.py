@@ -113,6 +113,7 @@ def test_describe_names_the_bundled_model(handler: EmbeddingHandler) -> None:
         "device": "cpu",
         "amp": "none",
         "compile": "off",
+        "cuda_graphs": "off",
         "shape_buckets": "off",
         "runtime": "torch",
     }

@@ -107,6 +107,7 @@ def test_describe_names_the_model_directory_and_device(tiny_model: Path) -> None
         "device": "cpu",
         "amp": "none",
         "compile": "off",
+        "cuda_graphs": "off",
         "shape_buckets": "off",
         "runtime": "torch",
     }
@@ -119,12 +120,12 @@ def test_describe_names_the_model_directory_and_device(tiny_model: Path) -> None
         (
             {"max_lenght": 64},
             "unknown handler option(s) max_lenght; known: max_length, max_chars, dtype, amp, compile, compile_backend, "
-            "shape_buckets, runtime, quantize, calibration_corpus, top_k",
+            "cuda_graphs, shape_buckets, runtime, quantize, calibration_corpus, top_k",
         ),
         ({"max_length": 0}, "max_length must be an integer >= 1, not 0"),
         ({"max_length": "64"}, "max_length must be an integer >= 1, not '64'"),
         ({"max_chars": True}, "max_chars must be an integer >= 1, not True"),
-        ({"dtype": "float64"}, "dtype must be one of float32, float16, bfloat16, not 'float64'"),
+        ({"dtype": "float64"}, "dtype must be one of auto, float32, float16, bfloat16, not 'float64'"),
         ({"amp": "float16"}, "amp=float16 needs a GPU; on the CPU use amp=bfloat16"),
         ({"max_length": 1024}, "max_length=1024 is more than the 512 positions of the model"),
     ],
