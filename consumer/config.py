@@ -409,8 +409,12 @@ class ServiceConfig(BaseModel):
         "merged). auto: the smallest batch size within a tenth of the best items/s in the start-up calibration.",
     )
     device_threads: int = Field(
-        2, ge=1, le=16, description="Threads of the device process that each run one device batch at a time (a "
-        "CUDA stream each): one merges or hands back while another's batch runs.",
+        2, ge=1, le=16, description="Device batches the device process runs at once (each on the CUDA stream of "
+        "the thread that runs it): one merges or hands back while another's batch runs.",
+    )
+    device_in_flight: int = Field(
+        2, ge=1, le=64, description="Micro-batches each worker keeps at its device process (its inference threads, "
+        "which wait for the device): 2 keeps the next one there while one runs.",
     )
     device_arena_mb: int = Field(
         64, ge=1, le=65_536, description="Shared memory per worker inference thread for its micro-batch's tensors "

@@ -7,8 +7,10 @@ micro-batch to its device process (``device_link``). Here:
 
 1. ``DeviceServer`` accepts one connection per worker inference thread; a reader thread per connection turns each
    call into a ``Job`` (its inputs read in place from the connection's shared arena) on one queue;
-2. a runner thread (``device_threads`` of them: CUDA streams) takes every job waiting, up to ``device_batch_size``
-   rows, of one model: so the device batch grows with the load of all workers together, not with 1/N of it;
+2. the reader then runs batches itself while one of the ``device_threads`` slots is free (a CUDA stream each), so a
+   call that finds the device idle starts at once, with no hand-off to another thread; a busy device's calls wait in
+   the queue, and whichever thread finishes a batch takes every job waiting, up to ``device_batch_size`` rows, of
+   one model: the device batch grows with the load of all workers together, not with 1/N of it;
 3. the handler ``merge``s them into one batch (padded to a shape bucket), runs ``inference`` once, and each job's
    rows go back to its worker through its arena. A batch that fails is run again one job at a time, so that one
    worker's bad micro-batch fails alone.
@@ -50,8 +52,8 @@ class DeviceBatching:
     max_rows: int
     """The most rows (items) in one device batch: ``device_batch_size``, or what the calibration chose."""
     threads: int = 1
-    """Runner threads: each runs one device batch at a time (on its own CUDA stream), so one merges or hands back
-    while another's batch runs."""
+    """Device batches running at once (each on its reader thread's CUDA stream), so one merges or hands back while
+    another's batch runs."""
 
 
 @dataclass(eq=False)
@@ -102,7 +104,8 @@ class DeviceServer:
         self._batching = batching
         self._metrics = metrics
         self._jobs: deque[Job] = deque()
-        self._ready = threading.Condition()
+        self._jobs_lock = threading.Lock()
+        self._slots = threading.Semaphore(batching.threads)
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._connections: set[Connection] = set()
@@ -118,8 +121,6 @@ class DeviceServer:
         listener.settimeout(_ACCEPT_POLL_S)
         self._listener = listener
         self._spawn(self._accept, "kinference-device-accept")
-        for index in range(self._batching.threads):
-            self._spawn(self._run, f"kinference-device-run-{index}")
         return self
 
     @property
@@ -131,11 +132,14 @@ class DeviceServer:
         return len(self._jobs)
 
     def stop(self, timeout_s: float) -> None:
-        """Stop taking calls, finish the batches running (within ``timeout_s``), close every connection."""
+        """Stop taking calls, finish the batches running (within ``timeout_s``), close every connection; calls still
+        waiting are sent again by their workers to the next device process (or fail after ``device_wait_s``)."""
         self._stopping.set()
-        with self._ready:
-            self._ready.notify_all()
         deadline = time.monotonic() + timeout_s
+        for _ in range(self._batching.threads):  # every slot back: no batch runs any more
+            if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                log.warning("stop: a device batch still runs after %.0f s", timeout_s)
+                break
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         for connection in list(self._connections):
@@ -171,7 +175,8 @@ class DeviceServer:
                     return
                 raise
             sock.settimeout(None)
-            reader = threading.Thread(target=self._read, args=(sock,), name="kinference-device-read", daemon=True)
+            reader = threading.Thread(target=self._guarded, args=(self._read, sock), name="kinference-device-read",
+                                      daemon=True)
             reader.start()
 
     def _read(self, sock: socket.socket) -> None:
@@ -212,26 +217,28 @@ class DeviceServer:
                 connection.reply("error", f"model {model!r} does not run in this device process")
                 continue
             job = Job(connection, model, rows, connection.arena.read_inputs(meta))
-            with self._ready:
+            with self._jobs_lock:
                 self._jobs.append(job)
-                self._ready.notify()
+            self._run_while_free()
 
     # --- batches
 
-    def _run(self) -> None:
-        while True:
-            jobs = self._take()
-            if not jobs:
-                return
-            self._run_batch(jobs)
+    def _run_while_free(self) -> None:
+        """Run device batches on this thread while a slot is free and jobs wait. After giving the slot back, look
+        again: a job queued while this thread held the last slot found none free, and would wait for the next
+        call otherwise."""
+        while self._jobs and not self._stopping.is_set() and self._slots.acquire(blocking=False):
+            try:
+                while jobs := self._take():
+                    self._run_batch(jobs)
+            finally:
+                self._slots.release()
 
     def _take(self) -> list[Job]:
-        """Every waiting job of the first one's model, up to ``max_rows`` rows (at least the first); [] at stop."""
-        with self._ready:
-            while not self._jobs:
-                if self._stopping.is_set():
-                    return []
-                self._ready.wait(_ACCEPT_POLL_S)
+        """Every waiting job of the first one's model, up to ``max_rows`` rows (at least the first); [] if none."""
+        with self._jobs_lock:
+            if not self._jobs or self._stopping.is_set():
+                return []
             first = self._jobs.popleft()
             jobs, rows, others = [first], first.rows, []
             while self._jobs and rows < self._batching.max_rows:

@@ -129,7 +129,11 @@ class Models:
         metrics.batch_cost_fixed.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
         metrics.batch_cost_per_unit.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
         device = self._link if handler.device_process else None
-        pipeline = Pipeline(ModelRun(name, handler, settings.batching, device), batcher, answer, metrics, tracing)
+        batching = settings.batching
+        if device is not None:  # the inference threads only wait for the device process: one per micro-batch there
+            threads = batching.parallelism.model_copy(update={"inference": settings.device_in_flight})
+            batching = batching.model_copy(update={"parallelism": threads})
+        pipeline = Pipeline(ModelRun(name, handler, batching, device), batcher, answer, metrics, tracing)
         route = ModelRoute(name, settings.model_version, handler.payload_format, served)
         return LoadedModel(settings, handler, route, batcher, pipeline, max_in_flight=None)
 
