@@ -90,13 +90,24 @@ def calibrate(handler: Handler, max_rows: int, fixed_batch_size: int | None = No
     if not items:
         return None
     sizes = [fixed_batch_size] if fixed_batch_size is not None else _powers_of_two(min(max_rows, len(items)))
-    curve = {size: _device_rate(handler, items, size) for size in sizes}
+    curve: dict[int, float] = {}
+    for size in sizes:
+        curve[size] = _device_rate(handler, items, size)
+        if _past_the_knee(curve):
+            break
     best = max(curve.values())
     batch_size = min(size for size, rate in curve.items() if rate >= _KNEE * best)
     host_us = _host_us_per_item(handler, payloads[:64]) + SERVICE_US_PER_MESSAGE
     device_rate = curve[batch_size]
     workers = max(1, math.ceil(device_rate * host_us / 1e6 * _HEADROOM))
     return Calibration(batch_size, device_rate, host_us, workers, curve)
+
+
+def _past_the_knee(curve: dict[int, float]) -> bool:
+    """Two doublings in a row gained less than ``1 - _KNEE``: larger batches would only take calibration time (on a
+    CPU, seconds per batch)."""
+    rates = list(curve.values())
+    return len(rates) >= 3 and rates[-1] < rates[-3] / _KNEE and rates[-2] < rates[-3] / _KNEE
 
 
 def worker_cap(devices: int, cores: int | None = None) -> int:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
-from kinference.consumer.config import ServiceConfig
+from kinference.consumer.config import Batching, ServiceConfig
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.oip import ServedModel as OipModel
 from kinference.consumer.request import Request
@@ -48,6 +48,8 @@ class LoadedModel:
 
     config: ServiceConfig
     """The service's settings with this model's own in place (``ServiceConfig.for_model``)."""
+    batching: Batching
+    """How its batches run: its settings', with a device process's inference threads in place."""
     handler: Handler
     route: ModelRoute
     batcher: Batcher
@@ -135,14 +137,14 @@ class Models:
             batching = batching.model_copy(update={"parallelism": threads})
         pipeline = Pipeline(ModelRun(name, handler, batching, device), batcher, answer, metrics, tracing)
         route = ModelRoute(name, settings.model_version, handler.payload_format, served)
-        return LoadedModel(settings, handler, route, batcher, pipeline, max_in_flight=None)
+        return LoadedModel(settings, batching, handler, route, batcher, pipeline, max_in_flight=None)
 
     def start(self, metrics: Metrics) -> None:
         """Start every model's stage threads; returns once their inference threads warmed the models up."""
         for model in self.loaded:
             model.pipeline.start()
             metrics.model.labels(model.name).info(_info_labels(model.handler.describe()))
-            batching = model.config.batching
+            batching = model.batching
             log.info("model %s ready: %s; batching: %s policy, max_batch_size=%d, max_batch_delay_ms=%g, "
                      "micro_batch_size=%s, parallelism %s", model.name, model.handler.describe(),
                      batching.batch_policy, batching.max_batch_size, batching.max_batch_delay_ms,

@@ -211,8 +211,10 @@ class TextHandler(Handler):
             # device options (buckets, AMP, compile) are the device process's.
             self.device = torch.device("cpu")
             self.accelerator = Accelerator(self.device)
+            self._placement = "device process"
         else:
             self.device = torch.device(context.device)
+            self._placement = str(self.device)
             self.accelerator = Accelerator.from_options(
                 self.name, options, self.device, context.max_batch_size, self.max_length
             )
@@ -363,6 +365,6 @@ class TextHandler(Handler):
         all-zero ``attention_mask``; they are sliced off afterwards, but must not raise."""
 
     def describe(self) -> dict[str, str]:
-        labels = {"handler": self.name, "model": self.model_name, "device": str(self.device)}
+        labels = {"handler": self.name, "model": self.model_name, "device": self._placement}
         runtime = "torch" if self._onnx is None else "onnxruntime" + ("-int8" if self._onnx.quantized else "")
         return {**labels, **self.accelerator.describe(), "runtime": runtime}

@@ -200,8 +200,11 @@ def test_calibration_picks_the_knee_of_the_device_curve_and_sizes_workers(tiny: 
     handler = _handler(tiny, "device", shape_buckets=True)
     result = calibrate(handler, max_rows=16)
     assert result is not None
-    assert list(result.curve) == [1, 2, 4, 8, 16]
-    best = max(result.curve.values())
+    sizes, rates = list(result.curve), list(result.curve.values())
+    assert sizes == [1, 2, 4, 8, 16][: len(sizes)]
+    if len(sizes) < 5:  # it stopped early: the last two doublings gained less than a tenth
+        assert rates[-1] < rates[-3] / 0.9 and rates[-2] < rates[-3] / 0.9
+    best = max(rates)
     assert result.curve[result.batch_size] >= 0.9 * best
     assert all(rate < 0.9 * best for size, rate in result.curve.items() if size < result.batch_size)
     assert result.workers >= 1 and result.host_us_per_item > 35
