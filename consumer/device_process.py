@@ -38,8 +38,9 @@ def calibration_path(host_dir: Path, index: int) -> Path:
 
 
 def torch_device(spec: str, index: int) -> str:
-    """The torch device of device process ``index``: its own GPU on CUDA, else the CPU."""
-    return f"cuda:{index}" if spec.startswith("cuda") else spec
+    """The torch device of device process ``index``: with ``cuda``, one per GPU, its own; a named one (``cuda:1``,
+    ``cpu``) as given (there is one device process then)."""
+    return f"cuda:{index}" if spec == "cuda" else spec
 
 
 class DeviceProcess:
@@ -57,6 +58,10 @@ class DeviceProcess:
         self._ready = threading.Event()
 
     def start(self) -> DeviceProcess:
+        if self._config.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self._config.torch_threads)
         for name, handler in self._load():
             handler.warm_up()
             self._handlers[name] = handler

@@ -222,3 +222,25 @@ def test_dtype_auto_keeps_float32_on_the_cpu_and_takes_half_precision_where_it_a
     reduced, dtype = handler._reduced_precision(handler.model)
     assert dtype == torch.float16 and next(reduced.parameters()).dtype == torch.float16
     assert next(handler.model.parameters()).dtype == torch.float32  # a copy: the float32 model is left alone
+
+
+def test_each_gpu_gets_its_own_device_process_and_a_named_device_is_kept() -> None:
+    from kinference.consumer.device_process import torch_device
+
+    assert [torch_device("cuda", index) for index in range(3)] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert torch_device("cuda:1", 0) == "cuda:1" and torch_device("cpu", 0) == "cpu"
+
+
+def test_the_plan_puts_a_device_process_where_asked_and_sizes_workers_only_with_one() -> None:
+    from kinference.consumer.cli import Plan, plan_processes
+    from kinference.consumer.config import ServiceConfig
+    from kinference.errors import KinferenceError
+
+    # On this CPU-only machine: auto means no device process, and one worker (one process, no supervisor).
+    assert plan_processes(ServiceConfig(handler="sim")) == Plan(devices=0, workers=1)
+    assert plan_processes(ServiceConfig(handler="sim", workers=3)) == Plan(devices=0, workers=3)
+    assert plan_processes(ServiceConfig(handler="sim", device_process="on")) == Plan(devices=1, workers=None)
+    assert plan_processes(ServiceConfig(handler="sim", device_process="on", workers=2)) == Plan(devices=1, workers=2)
+    assert plan_processes(ServiceConfig(handler="echo")) == Plan(devices=0, workers=1)
+    with pytest.raises(KinferenceError, match="no model's handler can run in a device process"):
+        plan_processes(ServiceConfig(handler="echo", device_process="on"))
