@@ -560,7 +560,7 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     # One verdict per inference thread count: the target holds for a setting when every capacity keeps it busy.
     settings: dict[str, list[dict[str, Any]]] = {}
     for name, row in drains.items():
-        if name.startswith("kinference-sim@"):
+        if name.startswith("kinference-sim@") and not name.endswith("-device"):
             settings.setdefault(name.partition(",")[2] or "inference=1", []).append(row)
     for setting, slowed in settings.items():
         lowest = min(row.get("device_busy", 0.0) for row in slowed)
@@ -568,11 +568,32 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                                   f"({setting})",
                         "value": {row["contender"]: row.get("device_busy") for row in slowed},
                         "met": lowest >= 0.9})
+    targets += _device_process_targets(drains)
     embedding, ceiling = drains.get("kinference-embedding"), report.get("embedding_ceiling")
     if embedding and ceiling:
         ratio = embedding["msgs_per_s"] / ceiling["best_items_per_s"]
         targets.append({"target": "embedding drain >= 0.9 x in-process length-grouped ceiling",
                         "value": round(ratio, 3), "met": ratio >= 0.9})
+    return targets
+
+
+def _device_process_targets(drains: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 27's: the sim contender's CPU per message against the relay's, and a device process at the echo drain
+    rate kept busy by the default worker count (the modelled GPU's busy fraction with 1 and 2 workers beside it)."""
+    targets = []
+    relay, sim = drains.get("relay"), drains.get("kinference-sim")
+    if relay and sim and relay["cpu_us_per_msg"]:
+        ratio = sim["cpu_us_per_msg"] / relay["cpu_us_per_msg"]
+        targets.append({"target": "sim contender <= 10 x the relay's CPU per message", "value": round(ratio, 1),
+                        "met": ratio <= 10})
+    device = drains.get("kinference-sim@1x-echo-device")
+    if device:
+        beside = {name: drains[name].get("device_busy") for name in ("kinference-sim-device-1-worker",
+                                                                      "kinference-sim-device-2-workers")
+                  if name in drains}
+        targets.append({"target": "device process as fast as the echo drain, default workers: >= 80% busy",
+                        "value": {"kinference-sim@1x-echo-device": device.get("device_busy"), **beside},
+                        "met": device.get("device_busy", 0.0) >= 0.8})
     return targets
 
 
