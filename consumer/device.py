@@ -199,6 +199,7 @@ class DeviceServer:
         finally:
             self._connections.discard(connection)
             sock.close()
+            connection.arena.close()  # a job of it still queued keeps its mapping until it has run
 
     def _serve(self, connection: Connection) -> None:
         while not self._stopping.is_set():
