@@ -15,7 +15,8 @@ one, else the CPU):
   ``worker_flags``), then any ``--contender NAME=FLAGS``. A backlog is produced once ``/readyz`` answers (every
   worker is in the group) and the drain is timed from then until every offset is committed (kinference commits
   an offset once its reply is acknowledged: committed means answered), or for ``drain_s`` at most, whichever
-  comes first; a drain cut short counts what was committed by then.
+  comes first; a drain cut short counts the replies it sent by then (``kinference_replies_total`` on its
+  ``/metrics``).
 
 For each drain: messages per second and its ratio to the model's best plain ceiling; the GPU's busy fraction
 from NVML, sampled in a thread (``gpu_busy.py``; empty on a CPU host); the CPU cores it kept busy (its process
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from transformers import AutoModel, AutoTokenizer
 
@@ -248,15 +250,18 @@ class GpuBench:
                 "--reply-topic", topics["replies"], "--dead-letter-topic", topics["dead"], "--group-id", group,
                 "--handler", HANDLER, "--model", str(model.directory), *contender.flags]
         self._step(f"{model.name} {contender.name}: starting kinference serve {shlex.join(contender.flags)}".rstrip())
-        log = scratch / f"serve-{suffix}.log"
+        log, metrics = scratch / f"serve-{suffix}.log", f"http://127.0.0.1:{port}/metrics"
         with serve_process(argv, f"http://127.0.0.1:{port}/readyz", log) as process:
             self._step(f"{model.name} {contender.name}: ready; {requests:,} requests, at most {options.drain_s:g} s")
-            started, cpu_before = time.monotonic(), process_tree_cpu_s(process.pid)
+            started, cpu_before, replies_before = time.monotonic(), process_tree_cpu_s(process.pid), replies(metrics)
             with BusySampler(self.device) as busy:
                 ends = drain.produce_backlog(self.bootstrap, topics, options.partitions, requests, self.payloads)
                 finished, committed = drain.committed_until(self.bootstrap, group, ends, started + options.drain_s)
-            cpu_s = process_tree_cpu_s(process.pid) - cpu_before
-        row = drain_row(contender, requests, sum(max(0, committed[key]) for key in ends), finished - started, cpu_s)
+            cpu_s, sent = process_tree_cpu_s(process.pid) - cpu_before, replies(metrics) - replies_before
+        # A drain cut short counts the replies sent by then: its committed offsets lag behind them, since a batch
+        # answers requests out of their partitions' order and an offset is committed only once all before it are.
+        complete = committed == ends
+        row = drain_row(contender, requests, requests if complete else int(sent), finished - started, cpu_s)
         row["gpu_busy"] = busy.fraction()
         self._step(f"{model.name} {contender.name}: {row['msgs_per_s']:,.0f} msg/s, {row['cpu_cores']:g} cores, "
                    f"{row['cpu_us_per_msg']} us CPU/msg" + ("" if row["complete"] else " (cut at the time limit)"))
@@ -278,6 +283,15 @@ def bench_flags(port: str) -> list[str]:
     return ["--commit-interval-ms", str(int(drain.COMMIT_INTERVAL_S * 1000)), "--shutdown-grace-s", "5",
             "--log-level", "WARNING", "--metrics-host", "127.0.0.1", "--metrics-port", port,
             *(item for key, value in SERVE_KAFKA.items() for item in ("--kafka-consumer", f"{key}={value}"))]
+
+
+def replies(metrics_url: str) -> float:
+    """The replies a running ``serve`` has sent so far, of every status (``kinference_replies_total``; with
+    ``--workers`` the supervisor's ``/metrics`` sums its workers')."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as answer:
+        text = answer.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "kinference_replies_total")
 
 
 def drain_row(contender: ServeContender, requests: int, answered: int, seconds: float, cpu_s: float

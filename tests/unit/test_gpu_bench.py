@@ -3,7 +3,9 @@ the plain-model ceiling, NVML's busy fraction (a fake NVML), the drain's figures
 
 from __future__ import annotations
 
+import http.server
 import sys
+import threading
 import time
 import types
 
@@ -183,3 +185,26 @@ def test_the_tables_set_each_drain_beside_its_models_best_ceiling_and_the_relays
                          ["tiny", "workers=2", "--workers 2", "1,500 of 4,000", "1,500", "0.75", "42%", "1.50",
                           "1000", "20.0"]]
     assert reference[2] == [["relay", "5,000", "20,000", "50"]]
+
+
+def test_the_replies_of_a_serve_are_read_from_its_metrics_every_status_summed():
+    text = (b"# TYPE kinference_replies counter\n"
+            b'kinference_replies_total{status="ok"} 40.0\nkinference_replies_total{status="error"} 2.0\n'
+            b"# TYPE kinference_commits counter\nkinference_commits_total 7.0\n")
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert gpu.replies(f"http://127.0.0.1:{server.server_address[1]}/metrics") == 42
+    finally:
+        server.shutdown()
+        server.server_close()
