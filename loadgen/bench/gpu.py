@@ -349,24 +349,28 @@ def tables(report: dict[str, Any]) -> Titled:
                       f"{row['items_per_s']:,.0f}", _share(row["gpu_busy"])]
                      for what, key in (("plain model", "plain_ceilings"), ("handler in-process", "handler_ceilings"))
                      for row in model[key]]
-        drains += [[model["model"], row["contender"], shlex.join(row["flags"]) or "-",
+        drains += [[model["model"], row["contender"],
                     f"{row['answered']:,}" + ("" if row["complete"] else f" of {row['requests']:,}"),
                     f"{row['msgs_per_s']:,.0f}", f"{row['msgs_per_s'] / best:.2f}", _share(row["gpu_busy"]),
-                    f"{row['cpu_cores']:.2f}", _number(row["cpu_us_per_msg"]),
+                    f"{row['cpu_cores']:.2f}", _micros(row["cpu_us_per_msg"]),
                     _ratio(row["cpu_us_per_msg"], relay["cpu_us_per_msg"] if relay else None)]
                    for row in model["drains"]]
     device = report["machine"]["gpu"] or report["machine"]["device"]
+    settings = report["settings"]
     titled: Titled = [
         (f"In-process ceilings on {device}, texts sorted by length", ["model", "ceiling", "items/s", "GPU busy"],
          ceilings),
-        (f"Drains of kinference serve on {device} (at most {report['settings']['drain_s']:g} s each)",
-         ["model", "contender", "flags", "answered", "msg/s", "x plain ceiling", "GPU busy", "CPU cores",
-          "µs CPU/msg", "x relay µs"], drains)]
+        ("The contenders: kinference serve with these flags", ["contender", "flags"],
+         [[contender["name"], shlex.join(contender["flags"]) or "(none: the defaults)"]
+          for contender in settings["contenders"]]),
+        (f"Drains of kinference serve on {device} (at most {settings['drain_s']:g} s each)",
+         ["model", "contender", "answered", "msg/s", "x ceiling", "GPU busy", "CPU cores", "µs CPU/msg",
+          "x relay"], drains)]
     if report["reference"]:
         titled.append(("Reference drains, no model (kinference drain's relay and echo)",
                        ["contender", "requests", "msg/s", "µs CPU/msg"],
                        [[row["contender"], f"{row['requests']:,}", f"{row['msgs_per_s']:,.0f}",
-                         _number(row["cpu_us_per_msg"])] for row in report["reference"]]))
+                         _micros(row["cpu_us_per_msg"])] for row in report["reference"]]))
     return titled
 
 
@@ -374,12 +378,12 @@ def _share(value: float | None) -> str:
     return "" if value is None else f"{value:.0%}"
 
 
-def _number(value: float | None) -> str:
-    return "" if value is None else f"{value:g}"
+def _micros(value: float | None) -> str:
+    return "" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
 
 
 def _ratio(value: float | None, relay: float | None) -> str:
-    return f"{value / relay:.1f}" if value and relay else ""
+    return f"{value / relay:,.1f}" if value and relay else ""
 
 
 # --- command line
@@ -464,6 +468,8 @@ def main(argv: list[str]) -> int:
     console, report = measured("kinference bench gpu", lambda console: GpuBench(options, console).run())
     if report is None:
         return 1
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # a log: its tables whole, not cut to 80 columns
     print_tables(tables(report), console)
     for path in write_reports(report, args, lambda r: tables_markdown(r, tables(r))):
         console.print(f"written: {path}")

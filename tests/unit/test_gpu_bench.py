@@ -170,7 +170,9 @@ def test_the_tables_set_each_drain_beside_its_models_best_ceiling_and_the_relays
     drains = [{**gpu.drain_row(gpu.ServeContender("defaults"), 1000, 1000, 1.0, 0.5), "gpu_busy": None},
               {**gpu.drain_row(gpu.ServeContender("workers=2", ("--workers", "2")), 4000, 1500, 1.0, 1.5),
                "gpu_busy": 0.42}]
-    report = {"machine": {"gpu": None, "device": "cpu"}, "settings": {"drain_s": 20.0},
+    report = {"machine": {"gpu": None, "device": "cpu"},
+              "settings": {"drain_s": 20.0, "contenders": [{"name": "defaults", "flags": []},
+                                                           {"name": "workers=2", "flags": ["--workers", "2"]}]},
               "reference": [{"contender": "relay", "requests": 5000, "msgs_per_s": 20000.0, "cpu_us_per_msg": 50.0}],
               "models": [{"model": "tiny", "device": "cpu",
                           "plain_ceilings": [{"dtype": "float32", "batch_size": 256, "items_per_s": 2000.0,
@@ -178,13 +180,13 @@ def test_the_tables_set_each_drain_beside_its_models_best_ceiling_and_the_relays
                           "handler_ceilings": [{"dtype": "float32", "batch_size": 32, "items_per_s": 1500.0,
                                                 "gpu_busy": None}],
                           "drains": drains}]}
-    ceilings, served, reference = gpu.tables(report)
+    ceilings, contenders, served, reference = gpu.tables(report)
     assert ceilings[2] == [["tiny", "plain model, float32, batch 256", "2,000", ""],
                            ["tiny", "handler in-process, float32, batch 32", "1,500", ""]]
-    assert served[2] == [["tiny", "defaults", "-", "1,000", "1,000", "0.50", "", "0.50", "500", "10.0"],
-                         ["tiny", "workers=2", "--workers 2", "1,500 of 4,000", "1,500", "0.75", "42%", "1.50",
-                          "1000", "20.0"]]
-    assert reference[2] == [["relay", "5,000", "20,000", "50"]]
+    assert contenders[2] == [["defaults", "(none: the defaults)"], ["workers=2", "--workers 2"]]
+    assert served[2] == [["tiny", "defaults", "1,000", "1,000", "0.50", "", "0.50", "500", "10.0"],
+                         ["tiny", "workers=2", "1,500 of 4,000", "1,500", "0.75", "42%", "1.50", "1,000", "20.0"]]
+    assert reference[2] == [["relay", "5,000", "20,000", "50.0"]]
 
 
 def test_the_replies_of_a_serve_are_read_from_its_metrics_every_status_summed():
