@@ -383,7 +383,7 @@ def _micros(value: float | None) -> str:
 
 
 def _ratio(value: float | None, relay: float | None) -> str:
-    return f"{value / relay:,.1f}" if value and relay else ""
+    return _micros(value / relay) if value and relay else ""
 
 
 # --- command line
