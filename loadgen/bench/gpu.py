@@ -190,7 +190,7 @@ class GpuBench:
         best = max(row["items_per_s"] for row in plain)
         requests = min(options.requests, max(MIN_REQUESTS, int(best * options.drain_s)))
         drains = [self._drain(model, contender, requests, scratch) for contender in options.contenders]
-        return {"model": model.name, "directory": str(model.directory) if model.name not in PRESETS else None,
+        return {"model": model.name, "source": model.source,
                 "random_init": model.random_init, "parameters": model.parameters, "device": self.device,
                 "plain_ceilings": plain, "handler_ceilings": handler, "requests": requests, "drains": drains}
 

@@ -31,6 +31,8 @@ PRESETS = ("minilm-l6", "bert-base")
 class BenchModel:
     name: str
     """The preset's name, or the directory's."""
+    source: str
+    """What ``--models`` named: the preset, or the directory as given."""
     directory: Path
     """A complete model directory: config, weights and tokenizer."""
     random_init: bool
@@ -66,7 +68,7 @@ def _prepare(spec: str, name: str, target: Path, random_init: bool, seed: int) -
     random_init = random_init or not has_weights
     if source is not None and has_tokenizer and not random_init:
         model = AutoModel.from_pretrained(source, local_files_only=True)
-        return BenchModel(name, source, False, model.num_parameters())
+        return BenchModel(name, spec, source, False, model.num_parameters())
     tokenizer = AutoTokenizer.from_pretrained(source if has_tokenizer else bundled, local_files_only=True)
     if len(tokenizer) > config.vocab_size:
         raise ValueError(f"model {spec}: its config's vocabulary ({config.vocab_size}) is smaller than the "
@@ -74,7 +76,7 @@ def _prepare(spec: str, name: str, target: Path, random_init: bool, seed: int) -
     model = _random_model(config, seed) if random_init else AutoModel.from_pretrained(source, local_files_only=True)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
-    return BenchModel(name, target, random_init, model.num_parameters())
+    return BenchModel(name, spec, target, random_init, model.num_parameters())
 
 
 def _random_model(config: PretrainedConfig, seed: int) -> torch.nn.Module:

@@ -58,7 +58,8 @@ def test_a_directory_with_only_a_config_gets_seeded_random_weights_and_the_bundl
     BertConfig(**TINY).save_pretrained(tmp_path / "tiny")
     (first,) = model_dirs.prepare_models([str(tmp_path / "tiny")], tmp_path / "a", random_init=False)
     (again,) = model_dirs.prepare_models([str(tmp_path / "tiny")], tmp_path / "b", random_init=False)
-    assert first.name == "tiny" and first.random_init and first.directory == tmp_path / "a" / "tiny"
+    assert first.name == "tiny" and first.source == str(tmp_path / "tiny") and first.random_init
+    assert first.directory == tmp_path / "a" / "tiny"
     weights = [AutoModel.from_pretrained(model.directory).embeddings.word_embeddings.weight for model in (first, again)]
     assert torch.equal(*weights)
     tokenizer = AutoTokenizer.from_pretrained(first.directory)
