@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--models", type=_names, default=defaults.models, metavar="M1,M2",
                         help=f"presets ({', '.join(PRESETS)}) or model directories; a directory needs only config.json "
                              "(random weights without weights, the bundled MiniLM tokenizer without a tokenizer) "
-                             "(default: %(default)s)")
+                             "(default: minilm-l6)")
     parser.add_argument("--random-init", action="store_true",
                         help="random weights for every model, even where a directory has weights")
     parser.add_argument("--workers", type=_counts, metavar="N1,N2",
