@@ -39,9 +39,10 @@ CALIBRATION_CORPORA = ("short", "mixed")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
-                    "sentencepiece.bpe.model")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model")
 SAVE_HINT = "save both with model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR) (docs/handlers.md)"
 
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
@@ -78,9 +79,9 @@ def check_model_dir(handler: str, model_dir: Path) -> None:
     missing = []
     if "config.json" not in names:
         missing.append("config.json (the model's configuration)")
-    if not names & set(_WEIGHTS):
-        missing.append(f"the weights ({' or '.join(_WEIGHTS[::2])})")
-    if not names & set(_TOKENIZER_FILES):
+    if not names & set(WEIGHT_FILES):
+        missing.append(f"the weights ({' or '.join(WEIGHT_FILES[::2])})")
+    if not names & set(TOKENIZER_FILES):
         missing.append("the tokenizer (tokenizer.json)")
     if missing:
         raise HandlerLoadError(f"{handler}: the model directory {model_dir} lacks {', '.join(missing)}: {SAVE_HINT}")

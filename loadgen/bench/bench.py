@@ -488,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"scenarios:\n{scenarios}\n\nEach Kafka scenario runs in a process of its own. The targets judge the "
                "kinference setting whose\nbatching matches kinference serve's defaults. See docs/benchmarks.md.\n\n"
                "kinference bench image [--help]: the image-classification scenario (micro-batching, preprocess "
-               "threads).",
+               "threads).\nkinference bench gpu [--help]: each model's ceilings and drains of kinference serve at "
+               "1..8 workers,\nwith the GPU's busy fraction and the CPU per message.",
     )
     parser.add_argument("--concurrency", type=concurrency_list, metavar="C1,C2,...",
                         help="closed-loop concurrencies (default: 1,4,16,64,256; --quick: 1,4)")
@@ -540,6 +541,10 @@ def main(argv: list[str]) -> int:
         from kinference.loadgen.bench import image
 
         return image.main(argv[1:])
+    if argv[:1] == ["gpu"]:
+        from kinference.loadgen.bench import gpu
+
+        return gpu.main(argv[1:])
     args, options = parse_options(build_parser(), argv, lambda args: options_from(args, argv))
     console, report = measured("kinference bench", lambda console: Bench(options, console).run())
     if report is None:

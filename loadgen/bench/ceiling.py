@@ -1,6 +1,7 @@
-"""The in-process ceiling: a handler called directly in a loop, with no Kafka, as fast as it goes.
+"""The in-process ceilings: a handler called directly in a loop, with no Kafka, as fast as it goes; and below it
+the model alone (``measure_plain_model``), on inputs tokenised and on the device beforehand.
 
-``kinference bench`` and ``kinference drain`` set kinference's throughput beside it.
+``kinference bench``, ``kinference drain`` and ``kinference bench gpu`` set kinference's throughput beside them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import itertools
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
+
+import torch
 
 from kinference.handlers import Handler
 from kinference.loadgen.report import percentiles
@@ -48,3 +51,24 @@ def handle(handler: Handler, payloads: Sequence[Any]) -> list[Any]:
     then ``preprocess``, ``inference`` and ``postprocess``."""
     items = [handler.validate(payload) for payload in payloads]
     return handler.postprocess(handler.inference(handler.preprocess(items)), items)
+
+
+def measure_plain_model(model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]], seconds: float
+                        ) -> float:
+    """Items per second of ``model`` (eager PyTorch, in inference mode) called on ``batches`` in turn for about
+    ``seconds``: padded tensors already on the model's device, so nothing but the forward pass is timed. What
+    no serving code around this model can pass on this device."""
+    device = next(model.parameters()).device
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    with torch.inference_mode():
+        model(**batches[0])  # the first call of a shape
+        synchronize()
+        done, began = 0, time.monotonic()
+        for index in itertools.count():
+            batch = batches[index % len(batches)]
+            model(**batch)
+            done += len(batch["input_ids"])
+            if time.monotonic() - began >= seconds:
+                break
+        synchronize()  # CUDA runs behind the launches: the clock stops when the last batch is done
+    return round(done / (time.monotonic() - began), 1)

@@ -429,17 +429,26 @@ def produce_backlog(bootstrap: str, topics: Topics, partitions: int, count: int,
 
 def wait_committed(bootstrap: str, group: str, ends: dict[tuple[str, int], int], timeout_s: float) -> float:
     """``time.monotonic()`` when the group's committed offsets first equal ``ends``."""
+    finished, committed = committed_until(bootstrap, group, ends, time.monotonic() + timeout_s)
+    if committed != ends:
+        raise TimeoutError(f"group {group} did not commit {ends} within {timeout_s:.0f} s (at {committed})")
+    return finished
+
+
+def committed_until(bootstrap: str, group: str, ends: dict[tuple[str, int], int], deadline: float
+                    ) -> tuple[float, dict[tuple[str, int], int]]:
+    """``time.monotonic()`` when the group's committed offsets first equal ``ends``, or at ``deadline`` (a
+    ``time.monotonic()``) if that comes first; and the committed offsets then (negative where none was)."""
     watcher = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": "false",
                         **LOW_LATENCY_CONSUMER})
     partitions = [TopicPartition(topic, partition) for topic, partition in ends]
-    deadline = time.monotonic() + timeout_s
     try:
-        while time.monotonic() < deadline:
+        while True:
             committed = {(tp.topic, tp.partition): tp.offset for tp in watcher.committed(partitions, timeout=10)}
-            if committed == ends:
-                return time.monotonic()
+            now = time.monotonic()
+            if committed == ends or now >= deadline:
+                return now, committed
             time.sleep(_WATCH_S)
-        raise TimeoutError(f"group {group} did not commit {ends} within {timeout_s:.0f} s (at {committed})")
     finally:
         watcher.close()
 
