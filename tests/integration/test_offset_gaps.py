@@ -117,8 +117,8 @@ def test_a_transactional_upstream_is_served_and_committed_to_the_end(kafka, deli
 
 def compacted_requests(bootstrap: str, kafka) -> dict[str, str]:
     """A compacted request topic with gaps: 40 records, every other one of the same key, compacted to the 21 last
-    records of their keys (and the records that rolled the segments, of one more key). The log cleaner looks for work every 0.2 s on the test
-    broker (``apache_kafka.BROKER_DEFAULTS``)."""
+    records of their keys (and the records that rolled the segments, of one more key). The log cleaner looks for
+    work every 0.2 s on the test broker (``apache_kafka.BROKER_DEFAULTS``)."""
     topics = kafka.topics(replies=1, dead=1)
     topics["requests"] = f"compacted-{uuid.uuid4().hex[:10]}"
     create_topics(bootstrap, {topics["requests"]: 1}, topic_config={
