@@ -148,10 +148,12 @@ def run_serve(args: argparse.Namespace) -> int:
     """Exit 0 after a clean stop (SIGTERM, SIGINT); 1 when the service cannot go on (a thread died, a fatal
     consumer or producer error, a request that cannot be answered), so that the orchestrator restarts it."""
     from kinference.consumer.service import Service, settle_heap
-    from kinference.consumer.supervisor import WorkerReport
+    from kinference.consumer.supervisor import WorkerReport, die_with_supervisor
 
     config = _config_from_args(args)
     setup_logging(config.log_level, config.log_format)
+    if args.worker_report is not None:
+        die_with_supervisor()  # an orphan would go on serving beside a restarted supervisor's workers
     if config.workers > 1:
         return _run_workers(args, config)
     stop = _stop_on_signals()
