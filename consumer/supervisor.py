@@ -88,7 +88,7 @@ def die_with_supervisor() -> None:
     expected = os.environ.get(SUPERVISOR_PID)
     if expected is None:
         return
-    if sys.platform != "linux" or ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+    if sys.platform != "linux" or ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM)) != 0:
         threading.Thread(target=_watch_parent, args=(int(expected),), name="kinference-parent", daemon=True).start()
     elif os.getppid() != int(expected):  # it died before the kernel was asked
         os.kill(os.getpid(), signal.SIGTERM)
