@@ -14,9 +14,10 @@ When the broker refuses a record, ``classify`` decides:
   same record is produced again, with backoff, up to the delivery retry timeout;
 - ``PERMANENT``: the record can never be delivered: ``replacement`` says what answers the request instead
   (a result too large for the broker becomes a small ``handler_error`` reply; a reply whose topic refuses it
-  becomes a dead letter; a dead letter too large loses the original value and headers). When nothing can
-  answer the request (the dead-letter topic itself refuses), the request is unanswerable: the service stops
-  rather than commit past it;
+  becomes a dead letter; a dead letter too large loses the original value and headers, and says so). When
+  nothing can answer the request (the dead-letter topic itself refuses), the request is unanswerable: counted,
+  logged and committed past (``publisher``), never a reason to stop. A key too large to ride on any record never
+  gets this far: the decoder leaves it out (``request.RequestDecoder.max_key_bytes``), and the answers say so;
 - ``FATAL``: the producer itself is finished; the record waits for the next producer.
 """
 
@@ -39,7 +40,9 @@ from kinference.protocol import (
     ERROR_CODE,
     ERROR_MESSAGE,
     INFERENCE_MS,
+    KEY_OMITTED,
     MAX_ERROR_MESSAGE,
+    ORIGINAL_OMITTED,
     QUEUE_MS,
     SERVICE_MS,
     SOURCE_OFFSET,
@@ -201,7 +204,7 @@ def reply_headers(request: Request, now: float) -> Headers:
         headers += request.reply_format.value_headers
     if request.trace is not None:
         headers += request.trace.context_headers()  # the caller's trace goes on from the request's span
-    return headers
+    return headers + _omitted(request)
 
 
 def reply_value(request: Request) -> bytes:
@@ -217,15 +220,20 @@ def reply_value(request: Request) -> bytes:
 
 def dead_letter_headers(request: Request, error: RequestError, original: bool = True) -> Headers:
     """The original headers (with ``original``) plus where the record came from and why it could not be
-    served."""
+    served, and what was left out."""
     return [
-        *(request.headers if original else []),
+        *(request.headers if original else [(ORIGINAL_OMITTED, b"true")]),
         (ERROR_CODE, str(error.code).encode()),
         (ERROR_MESSAGE, error.message[:MAX_ERROR_MESSAGE].encode()),
         (SOURCE_TOPIC, request.topic.encode()),
         (SOURCE_PARTITION, str(request.partition).encode()),
         (SOURCE_OFFSET, str(request.offset).encode()),
+        *_omitted(request),
     ]
+
+
+def _omitted(request: Request) -> Headers:
+    return [] if request.key_omitted is None else [(KEY_OMITTED, str(request.key_omitted).encode())]
 
 
 def _ms(seconds: float) -> bytes:

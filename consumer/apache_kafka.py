@@ -62,6 +62,8 @@ BROKER_DEFAULTS: Mapping[str, str] = {
     "share.coordinator.state.topic.num.partitions": "4",
     # A classic group's first join is not held back 3 s waiting for more members.
     "group.initial.rebalance.delay.ms": "0",
+    # The log cleaner looks for work every 0.2 s (15 s by default): a test of a compacted topic sees it compacted.
+    "log.cleaner.backoff.ms": "200",
     # kinference never relies on topic auto-creation: a test that did would fail here, as on most clusters.
     "auto.create.topics.enable": "false",
     # Fault tests use sessions down to 2 s to see a dead member sooner (the broker's floor is 6 s).

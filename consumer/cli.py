@@ -38,7 +38,8 @@ LOCAL_BROKER_PORT = 19092
 """``kinference broker``'s port: not Kafka's 9092, which a local Kafka of the user's may hold."""
 _TOPICS_FIELDS = frozenset({"bootstrap_servers", "request_topics", "reply_topic", "dead_letter_topic", "kafka",
                             "partitions", "reply_partitions", "dead_letter_partitions", "replication_factor",
-                            "topic_config", "max_request_bytes", "max_header_bytes", "kafka_producer"})
+                            "topic_config", "max_request_bytes", "max_header_bytes", "max_key_bytes",
+                            "kafka_producer"})
 """What ``topics create`` reads; every other serve flag is accepted there and ignored."""
 
 
@@ -150,12 +151,15 @@ def _stop_on_signals() -> threading.Event:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Exit 0 after a clean stop (SIGTERM, SIGINT); 1 when the service cannot go on (a thread died, a fatal
-    consumer or producer error, a request that cannot be answered), so that the orchestrator restarts it."""
+    consumer or producer error, the broker away past the delivery retry timeout), so that the orchestrator
+    restarts it. No record ends it (``publisher``: an unanswerable request is counted and committed past)."""
     from kinference.consumer.service import Service, settle_heap
-    from kinference.consumer.supervisor import WorkerReport
+    from kinference.consumer.supervisor import WorkerReport, die_with_supervisor
 
     config = _config_from_args(args)
     setup_logging(config.log_level, config.log_format)
+    if args.worker_report is not None:
+        die_with_supervisor()  # an orphan would go on serving beside a restarted supervisor's processes
     if args.device_index is not None:
         return _run_device(args, config)
     if args.worker_report is None:  # not supervised: this process may be the supervisor

@@ -1,19 +1,26 @@
 """The commit rule, kept in this one module: an offset is committed only once its request is answered.
 
-Per partition, kinference commits offset N only when every record below N that this member consumed has
+Per partition, kinference commits offset N only when every record below N that this member was handed has
 been answered: its reply (and dead letter, if any) was acknowledged by the broker (at-least-once), or is
 held for the next transaction (exactly-once, see ``transactions``). Records finish out of order
 (micro-batches, several threads, error replies that skip the model); the ledger tracks them and moves the
-commit position only over a contiguous run of finished offsets.
+commit position up to the first tracked record that is not answered.
 
-Three rules keep the position honest:
+Kafka offsets are not contiguous, and the rule is about records handed over, not about offsets: a transaction's
+commit or abort marker, the records of an aborted transaction (skipped under ``read_committed``) and records
+removed by compaction take offsets that no record is ever handed over for. The ledger commits across such gaps:
+between two tracked records, by moving to the next tracked one; after the last one, by following the consumer's
+position (``passed``), so that a partition whose log ends with a marker is committed to its end. It never commits
+past a record it was handed and that is not answered.
+
+Two more rules keep the position honest:
 
 - Every record the consumer hands over is tracked before anything that can fail (``source``), so no
   record can fall through the poll loop and be committed over unanswered.
-- If the consumer's position ever passes an offset that was not tracked, that is a bug upstream: the
-  ledger logs it and never moves its commit position past the gap (``check_position``).
 - A ledger belongs to one assignment. On revoke it is detached: late answers for it change nothing, and a
   partition assigned again gets a new ledger.
+
+Share groups (``share``) acknowledge each record instead of committing offsets: gaps do not concern them.
 """
 
 from __future__ import annotations
@@ -36,41 +43,48 @@ log = logging.getLogger(__name__)
 class PartitionLedger:
     """The offsets of one partition in one assignment that are consumed and not yet committable."""
 
-    __slots__ = ("_done", "_pending", "abandoned", "attached", "gap", "key", "last_tracked", "position")
+    __slots__ = ("_done", "_pending", "abandoned", "attached", "key", "last_tracked", "passed", "position")
 
     def __init__(self, key: PartitionKey) -> None:
         self.key = key
         self._pending: deque[int] = deque()
+        """Tracked offsets, ascending, from the first one not answered (finished ones above it wait in ``_done``)."""
         self._done: set[int] = set()
         self.abandoned = 0
         self.position: int | None = None
-        """The next offset to commit: every tracked offset below it is finished."""
+        """The next offset to commit: every record below it that was handed over is finished. None until one is."""
         self.last_tracked = -1
-        self.gap: int | None = None
-        """The first offset the consumer passed without this ledger tracking it (a bug): never committed over."""
+        self.passed = -1
+        """The consumer's position: no record below it will be handed over in this assignment any more."""
         self.attached = True
 
     @property
     def in_flight(self) -> int:
         return len(self._pending) - len(self._done) - self.abandoned
 
-    @property
-    def committable(self) -> int | None:
-        if self.position is None or self.gap is None:
-            return self.position
-        return min(self.position, self.gap)
-
     def track(self, offset: int) -> None:
         """Register ``offset``, above every offset tracked before (``OffsetTracker.track`` sees to it)."""
         self.last_tracked = offset
+        self.passed = max(self.passed, offset + 1)
         self._pending.append(offset)
 
     def finish(self, offset: int) -> None:
         self._done.add(offset)
+        if not self._pending or self._pending[0] not in self._done:
+            return  # nothing new to commit: the first unanswered record is still the same
         while self._pending and self._pending[0] in self._done:
-            first = self._pending.popleft()
-            self._done.discard(first)
-            self.position = first + 1
+            self._done.discard(self._pending.popleft())
+        # Whatever lies between a finished record and the next tracked one was never handed over: a gap.
+        self.position = self._pending[0] if self._pending else self.passed
+
+    def pass_to(self, position: int) -> None:
+        """The consumer's next record will be at ``position`` or above: the offsets up to it that were never
+        handed over are gaps, committed across once every record before them is answered."""
+        if position <= self.passed:
+            return
+        self.passed = position
+        if not self._pending:
+            self.position = position
 
 
 class OffsetTracker:
@@ -100,6 +114,11 @@ class OffsetTracker:
                     ledger.attached = False
                 self._committed.pop(key, None)
             self._cond.notify_all()
+
+    def partitions(self) -> list[PartitionKey]:
+        """The partitions of this member's assignment."""
+        with self._cond:
+            return list(self._ledgers)
 
     def track(self, key: PartitionKey, offset: int) -> PartitionLedger | None:
         """Register a consumed record; it counts as in flight until ``finish`` or ``abandon``.
@@ -131,18 +150,14 @@ class OffsetTracker:
                         offset, old.in_flight)
         return ledger
 
-    def check_position(self, key: PartitionKey, position: int) -> None:
-        """The consumer says the next record of ``key`` it will hand over is at ``position``: every record
-        below it must have been tracked. Otherwise a record was lost between the consumer and the tracker;
-        the commit position then stops at the first such offset, for good (a restart serves it again)."""
+    def passed(self, positions: Iterable[tuple[PartitionKey, int]]) -> None:
+        """The consumer's positions (the next offset it will hand over, per partition), read after every record
+        it handed over was tracked: the offsets below them that were never tracked are gaps (see the module)."""
         with self._cond:
-            ledger = self._ledgers.get(key)
-            if ledger is None or ledger.gap is not None or position <= ledger.last_tracked + 1:
-                return
-            ledger.gap = ledger.last_tracked + 1
-        log.critical("bug: the consumer passed %s[%d] offsets %d-%d, which were never tracked; the commit position "
-                     "of this partition stops at %d until the partition is reassigned or the service restarts",
-                     key[0], key[1], ledger.gap, position - 1, ledger.gap)
+            for key, position in positions:
+                ledger = self._ledgers.get(key)
+                if ledger is not None:
+                    ledger.pass_to(position)
 
     def finish(self, requests: Iterable[Request]) -> None:
         """These records are answered (replies acknowledged by the broker, or held for the transaction). Many at
@@ -194,7 +209,7 @@ class OffsetTracker:
             offsets = []
             for key in keys:
                 ledger = self._ledgers.get(key)
-                position = None if ledger is None else ledger.committable
+                position = None if ledger is None else ledger.position
                 if position is not None and self._committed.get(key) != position:
                     offsets.append(TopicPartition(key[0], key[1], position))
             return offsets

@@ -341,6 +341,8 @@ class ServiceConfig(BaseModel):
     max_poll_records: int = Field(500, ge=1, le=100_000, description="Most records taken per poll.")
     max_request_bytes: int = Field(960_000, ge=1, description="Larger request values get payload_too_large.")
     max_header_bytes: int = Field(16_384, ge=1, description="Larger request headers get payload_too_large.")
+    max_key_bytes: int = Field(4096, ge=1, description="Larger request keys get payload_too_large, and the reply "
+                               "and dead letter go without the key (header kinference-key-omitted).")
     max_queue_ms: float | None = Field(
         None, gt=0, description="Shed requests older than this (since written to Kafka) with overloaded "
         "(default: never shed).",
@@ -529,7 +531,8 @@ class ServiceConfig(BaseModel):
         message_max = int(self.producer_config().get("message.max.bytes", _LIBRDKAFKA_MESSAGE_MAX_BYTES))
         if self.dead_letter_max_bytes > message_max:
             raise ValueError(
-                f"max_request_bytes + max_header_bytes ({self.max_request_bytes} + {self.max_header_bytes}) "
+                f"max_request_bytes + max_header_bytes + max_key_bytes ({self.max_request_bytes} + "
+                f"{self.max_header_bytes} + {self.max_key_bytes}) "
                 f"leaves no room under the producer's message.max.bytes ({message_max}) for the dead letter "
                 "of a maximal request: lower them, or raise message.max.bytes (--kafka-producer) and the "
                 "reply and dead-letter topics' max.message.bytes (--topic-config max.message.bytes=N)"
@@ -538,7 +541,8 @@ class ServiceConfig(BaseModel):
         if topic_max is not None and (not topic_max.isdigit() or int(topic_max) < self.dead_letter_max_bytes):
             raise ValueError(
                 f"topic_config max.message.bytes ({topic_max}) must hold the dead letter of a maximal request: "
-                f"max_request_bytes + max_header_bytes + {_DEAD_LETTER_OVERHEAD} = {self.dead_letter_max_bytes}; "
+                f"max_request_bytes + max_header_bytes + max_key_bytes + {_DEAD_LETTER_OVERHEAD} = "
+                f"{self.dead_letter_max_bytes}; "
                 "raise it, or lower max_request_bytes"
             )
         return self
@@ -688,7 +692,7 @@ class ServiceConfig(BaseModel):
     @property
     def dead_letter_max_bytes(self) -> int:
         """The largest record kinference writes for a request it accepts: the dead letter of a maximal request."""
-        return self.max_request_bytes + self.max_header_bytes + _DEAD_LETTER_OVERHEAD
+        return self.max_request_bytes + self.max_header_bytes + self.max_key_bytes + _DEAD_LETTER_OVERHEAD
 
     def topic_partitions(self) -> dict[str, int]:
         """Each topic that ``kinference topics create`` makes, with its partition count."""

@@ -67,11 +67,9 @@ class Intake(Generic[TrackerT]):
         """The requests of revoked partitions that no model has started on, taken back."""
         return self._models.discard(partitions)
 
-    def take(self, records: list[Any], on_error: Callable[[Any], None]) -> dict[PartitionKey, int]:
-        """Take in one fetch's records; ``on_error`` gets each consume error the fetch carried. Returns the next
-        offset of each partition after the records it tracked."""
+    def take(self, records: list[Any], on_error: Callable[[Any], None]) -> None:
+        """Take in one fetch's records; ``on_error`` gets each consume error the fetch carried."""
         received = time.monotonic()
-        next_offsets: dict[PartitionKey, int] = {}
         requests = []
         for record in records:
             error = record.error()
@@ -83,7 +81,6 @@ class Intake(Generic[TrackerT]):
             if ledger is None:
                 log.debug("dropped %s[%d] offset %d: partition not owned, or already consumed", *key, offset)
                 continue
-            next_offsets[key] = offset + 1
             request = self._decoder.decode(record, received)  # never raises: a bad record is a request with an error
             request.ledger = ledger
             requests.append(request)
@@ -92,7 +89,6 @@ class Intake(Generic[TrackerT]):
         self._models.admit([request for request in requests if request.ok])
         for request in requests:
             self._take(request)
-        return next_offsets
 
     def _take(self, request: Request) -> None:
         """Route one tracked request. Nothing it does may leave the loop: the requests after it in this fetch must

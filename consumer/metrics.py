@@ -78,6 +78,9 @@ class Metrics:
                                              "fatal error (e.g. fenced after a broker restart).", registry=r)
         self.dead_letters = Counter("kinference_dead_letters", "Records written to the dead-letter topic.",
                                     registry=r)
+        self.unanswerable = Counter("kinference_unanswerable_requests", "Requests whose reply or dead letter the "
+                                    "broker refused for good, even cut down: answered without it (or not at all), "
+                                    "logged, and committed past.", registry=r)
         self.rebalance_dropped = Counter("kinference_rebalance_dropped_requests", "Requests of revoked partitions "
                                          "dropped before they were computed: the partitions' next owner serves "
                                          "them again (the work a rebalance costs).", registry=r)

@@ -31,9 +31,13 @@ A record the broker refuses (``answers.classify``):
   replaced producer loses its de-duplication, which is why an ordinary stall (a leader election) is never
   reason enough. Where the checkpoint does not allow it, the service stops.
 
-An unanswerable request (its dead letter refused for good, or transient failures past the bound) is never
-answered, so its offset is never committed; ``failure`` is set, ``/healthz`` fails, and the service exits
-non-zero so that the orchestrator restarts it.
+No record can stop the service: a request that nothing can answer (the broker refused its reply and its dead letter
+for good, even without the original value and headers) is unanswerable, an outcome of its own. It is counted
+(``kinference_unanswerable_requests``) and logged with its coordinates, and it counts as answered: its offset is
+committed past, since producing the same records again would be refused again, on every start. A record refused
+for a passing reason past ``delivery_retry_timeout_s`` is not the record's doing (the broker is away): then
+``failure`` is set, ``/healthz`` fails and the service exits non-zero, so that the orchestrator restarts it, and the
+request, uncommitted, is served again.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ from kinference.consumer.config import ServiceConfig
 from kinference.consumer.logs import about
 from kinference.consumer.metrics import UNSERVED_LABEL, Metrics, observe_many
 from kinference.consumer.request import Request
+from kinference.errors import RequestError
+from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
     from kinference.consumer.tracing import Tracing
@@ -286,7 +292,8 @@ class Publisher:
             # Plans of requests not in this transaction are stale: their partition moved to another member.
             plans, self._plans = self._plans, {}
             for request in requests:
-                plan = plans.get(request) or answer(request, self._dead_letter_topic, now)
+                # A plan may be empty: every record of it was given up on (unanswerable), and it commits as it is.
+                plan = plans[request] if request in plans else answer(request, self._dead_letter_topic, now)
                 self._plans[request] = plan
                 for delivery in list(plan):  # a record refused at once is replaced in the plan, and produced
                     self._send(delivery)
@@ -375,9 +382,7 @@ class Publisher:
         request = delivery.request
         deliveries = replacement(delivery, error, self._dead_letter_topic, time.monotonic())
         if not deliveries:
-            if delivery.in_transaction:
-                self._doomed = self._doomed or error  # never commit its offset, even refused at once
-            self._unanswerable(request, f"{delivery.record[0]} refused the dead letter: {error}")
+            self._give_up(delivery, error)
             return
         if not delivery.in_transaction:
             self._outstanding[request] -= 1
@@ -401,9 +406,26 @@ class Publisher:
                     delivery.record[0], error, backoff, extra=about(delivery.request))
         heapq.heappush(self._retries, (now + backoff, next(self._order), delivery))
 
+    def _give_up(self, refused: Delivery, error: KafkaError) -> None:
+        """Nothing can replace a record the broker refused for good: the request is answered without it (by its
+        other record, or by none), counted and logged, and its offset committed past (see the module)."""
+        request = refused.request
+        self._metrics.unanswerable.inc()
+        request.fail(RequestError(f"unanswerable: {refused.record[0]} refused the {refused.kind.replace('_', ' ')}: "
+                                  f"{error.str()}", ErrorCode.INTERNAL_ERROR))
+        log.error("unanswerable request: %s refused its %s (%s) and nothing smaller can replace it; it is committed "
+                  "past without it", refused.record[0], refused.kind.replace("_", " "), error, extra=about(request))
+        if refused.in_transaction:
+            self._plans[request].remove(refused)  # the next transaction, if this one aborts, goes without it
+        else:
+            self._settle(request)
+
     def _delivered(self, delivery: Delivery) -> None:
         self._count(delivery)
-        request = delivery.request
+        self._settle(delivery.request)
+
+    def _settle(self, request: Request) -> None:
+        """One record of ``request`` is done with (delivered, or given up on)."""
         left = self._outstanding.get(request)
         if left is None:
             return  # given up on already (unanswerable)
@@ -433,6 +455,7 @@ class Publisher:
             self._tracing.answered(requests)
 
     def _unanswerable(self, request: Request, why: str) -> None:
+        """The broker stayed away past the retry bound: stop, and the request is served again after a restart."""
         self._outstanding.pop(request, None)
         self._fail(f"a request cannot be answered ({why}); its offset stays uncommitted")
         log.critical("cannot answer the request: %s; stopping", why, extra=about(request))

@@ -48,6 +48,7 @@ class Request:
     partition: int
     offset: int
     key: bytes | None
+    """None also when the record's key was too large to ride on the answers (``key_omitted``)."""
     value: bytes | None
     headers: Headers
     received: float
@@ -75,6 +76,8 @@ class Request:
     dispatched: float | None = None
     batch_size: int = 0
     inference_ms: float = 0.0
+    key_omitted: int | None = None
+    """The size of the record's key when it was larger than ``max_key_bytes``: left out of the answers, which say so."""
     ledger: Any = field(default=None, repr=False)
     """The commit ledger of the partition this record came from (``commit.PartitionLedger``)."""
     reply_format: ReplyFormat | None = None
@@ -126,6 +129,9 @@ class RequestDecoder:
     router: Router | None = None
     """Which model serves each record; its model's payload format and OIP model then replace ``payload_format``
     and ``model``. None: one unnamed model."""
+    max_key_bytes: int = 4096
+    """A larger key fails its request, and is left out of it: every answer carries the request's key, and one too
+    large for the topic could never be delivered."""
 
     def decode(self, record: Any, received: float | None = None) -> Request:
         """``record`` is a confluent_kafka.Message (or anything with the same accessors). Its coordinates are
@@ -143,11 +149,14 @@ class RequestDecoder:
             reply_topic=self.default_reply_topic,
         )
         try:
-            request.key, request.value = record.key(), record.value()
+            request.key, request.value = self._bounded_key(request, record.key()), record.value()
             request.timestamp_ms = _timestamp(record)
             request.headers = _headers(record, request)
             self._read_headers(request)
             self._check_header_size(request.headers)
+            if request.key_omitted is not None:
+                raise RequestError(f"request key is {request.key_omitted} bytes; max_key_bytes is "
+                                   f"{self.max_key_bytes} (the answers go without it)", ErrorCode.PAYLOAD_TOO_LARGE)
             payload_format, model = self.payload_format, self.model
             if self.router is not None:
                 request.model = route = self._route(request)
@@ -204,6 +213,14 @@ class RequestDecoder:
         if problems:
             # Routing headers were read as far as possible first, so the error reply still finds its caller.
             raise RequestError("; ".join(problems), ErrorCode.BAD_REQUEST)
+
+    def _bounded_key(self, request: Request, key: bytes | None) -> bytes | None:
+        """The key, or None when it is too large (its size kept in ``key_omitted``). Left out first of all, so
+        that nothing, not even the error reply of a request whose headers cannot be read, carries it."""
+        if key is not None and len(key) > self.max_key_bytes:
+            request.key_omitted = len(key)
+            return None
+        return key
 
     def _check_header_size(self, headers: Headers) -> None:
         size = sum(len(name) + len(raw or b"") for name, raw in headers)

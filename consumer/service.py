@@ -176,7 +176,7 @@ class Service:
         router = self.models.build(publisher.submit, self.metrics, self.tracing)
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
-                                 router=router)
+                                 router=router, max_key_bytes=config.max_key_bytes)
         if isinstance(self.tracker, ShareLedger):  # a share group has no offsets: no lag to measure
             self.source = ShareSource(config, Intake(decoder, self.tracker, self.models, self.tracing), self.metrics)
             return publisher, self.source

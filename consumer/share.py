@@ -7,7 +7,8 @@ acknowledges each one. kinference acknowledges a record only once it is answered
 then in a consumer group:
 
 - ACCEPT once its reply is acknowledged by the broker;
-- REJECT once its error reply and dead letter are (a poison record is never delivered again);
+- REJECT once its error reply and dead letter are (a poison record is never delivered again), or once it is
+  unanswerable (``publisher``: its records refused for good; the member goes on);
 - RELEASE when it is left unanswered (shutdown, a dead publisher): the broker delivers it again, to any member,
   up to ``group.share.delivery.count.limit`` times (5 by default), then archives it.
 

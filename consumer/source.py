@@ -6,8 +6,9 @@ It alone calls the consumer (a librdkafka consumer is not to be shared across th
 2. take in the records (``intake``): track each with the commit tracker before anything that can fail, decode
    it (a record that cannot be read becomes a dead letter, never an exception), admit the poll's requests
    together (``admission``: the handler validates and prices them, one call for all), and route each on;
-   whatever a record does, the loop goes on with the next one; then check that the consumer handed over
-   every record it passed;
+   whatever a record does, the loop goes on with the next one; then tell the ledger how far the consumer has
+   gone (offsets it passed without handing a record over are gaps: transaction markers, aborted records,
+   compaction; ``commit``);
 3. commit what is answered (the checkpoint: ``commit.ConsumerCheckpoint``; nothing here in exactly-once, where
    offsets go into transactions);
 4. pause or resume the partitions for flow control (``flow``).
@@ -202,15 +203,17 @@ class Source:
         return [first, *self._consumer.consume(limit - 1, 0)] if limit > 1 else [first]
 
     def _take_in(self, records: list[Any]) -> None:
-        next_offsets = self._intake.take(records, self.errors.on_record)
-        if next_offsets:
-            self._check_positions(next_offsets)
+        self._intake.take(records, self.errors.on_record)
+        self._follow_positions()
 
-    def _check_positions(self, next_offsets: dict[PartitionKey, int]) -> None:
-        """Every record the consumer handed over was tracked: its position is right after the last one."""
-        for tp in self._consumer.position([TopicPartition(topic, partition) for topic, partition in next_offsets]):
-            if tp.offset >= 0 and tp.offset != next_offsets[(tp.topic, tp.partition)]:
-                self._tracker.check_position((tp.topic, tp.partition), tp.offset)
+    def _follow_positions(self) -> None:
+        """Every record the consumer handed over is tracked by now: its positions say which offsets it passed
+        without handing a record over. Read for every partition each turn (a local call): a transaction's marker
+        can come in a fetch of its own, long after the transaction's records."""
+        partitions = [TopicPartition(topic, partition) for topic, partition in self._tracker.partitions()]
+        if partitions:
+            self._tracker.passed([((tp.topic, tp.partition), tp.offset) for tp in self._consumer.position(partitions)
+                                  if tp.offset >= 0])
 
     def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         self.errors.broker_up = True

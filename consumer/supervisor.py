@@ -21,15 +21,22 @@ process one per GPU, under a small supervisor (gunicorn's arbiter, cut down to w
 
 The supervisor keeps no request state: a worker's requests are its own, and those a dead worker left uncommitted
 are served again by the member that gets its partitions.
+
+A supervisor that dies without its shutdown (SIGKILL, the OOM killer) takes its workers with it: each worker asks
+the kernel for SIGTERM when its parent dies (``die_with_supervisor``), and shuts down as on any SIGTERM. Orphans
+would go on serving as members of the group, beside the workers of a restarted supervisor. The temporary
+directories it leaves are removed at the next supervisor's start (``remove_stale_dirs``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -73,6 +80,62 @@ WORKER_LOCAL_METRICS = frozenset({"kinference_ready", "kinference_healthy", "kin
                                   "kinference_batch_cost_per_unit_seconds"})
 """Gauges a worker computes when scraped, which multiprocess mode cannot share: the supervisor leaves them out of
 the host's /metrics (and serves ready and healthy from its own view of the workers)."""
+
+
+SUPERVISOR_PID = "KINFERENCE_SUPERVISOR_PID"
+"""Set in each worker's environment: its supervisor's process id."""
+_PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal the calling process gets when its parent dies."""
+_WATCH_PARENT_S = 0.5
+_DIR_PREFIXES = ("kinference-metrics-", "kinference-workers-")
+"""The supervisor's temporary directories, each named ``<prefix><pid>-<random>`` after the supervisor's process."""
+
+
+def die_with_supervisor() -> None:
+    """A worker's first call: SIGTERM comes to it when its supervisor dies, however the supervisor dies (SIGKILL
+    included), and the worker shuts down as on any SIGTERM. On Linux the kernel sends it (``PR_SET_PDEATHSIG``, which
+    follows the supervisor's thread that started the worker: its run loop, which lives as long as the supervisor);
+    elsewhere a thread watches the parent process id. Nothing outside a supervisor's worker."""
+    expected = os.environ.get(SUPERVISOR_PID)
+    if expected is None:
+        return
+    if sys.platform != "linux" or ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM)) != 0:
+        threading.Thread(target=_watch_parent, args=(int(expected),), name="kinference-parent", daemon=True).start()
+    elif os.getppid() != int(expected):  # it died before the kernel was asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _watch_parent(expected: int) -> None:
+    while os.getppid() == expected:
+        time.sleep(_WATCH_PARENT_S)
+    log.critical("the supervisor (pid %d) is gone; stopping", expected)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def remove_stale_dirs(root: Path | None = None) -> list[Path]:
+    """Remove the temporary directories that supervisors no longer running left in ``root`` (default: the system's
+    temporary directory): a killed supervisor cannot remove its own. Returns those removed."""
+    removed = []
+    for prefix in _DIR_PREFIXES:
+        for path in Path(root or tempfile.gettempdir()).glob(f"{prefix}*-*"):
+            owner = path.name[len(prefix):].split("-", 1)[0]
+            if owner.isdigit() and not _running(int(owner)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    if removed:
+        log.info("removed %d directories of supervisors no longer running: %s", len(removed),
+                 ", ".join(str(path) for path in removed))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 class WorkerReport:
@@ -167,10 +230,11 @@ class Supervisor:
         self._command = command
         self._grace_s = grace_s
         self._restarts = restarts
+        remove_stale_dirs()
         self._own_dir = metrics_dir is None
-        self.metrics_dir = Path(metrics_dir or tempfile.mkdtemp(prefix="kinference-metrics-"))
-        self._reports = Path(tempfile.mkdtemp(prefix="kinference-workers-"))
-        self._env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+        self.metrics_dir = Path(metrics_dir or tempfile.mkdtemp(prefix=f"kinference-metrics-{os.getpid()}-"))
+        self._reports = Path(tempfile.mkdtemp(prefix=f"kinference-workers-{os.getpid()}-"))
+        self._env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), SUPERVISOR_PID: str(os.getpid())}
         self.devices = [Member("device", index, self._reports / f"device-{index}.json") for index in range(devices)]
         self._worker_count = workers
         self.workers = [] if workers is None else [Member("worker", index, self._reports / f"worker-{index}.json")

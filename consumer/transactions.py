@@ -3,11 +3,12 @@
 The checkpoint of ``--delivery exactly-once``; the publisher (``publisher.Publisher``) produces the answers and
 follows the records as in every mode. What is particular here is when an answer counts:
 
-- Finished requests are held (they count towards ``--max-in-flight`` until committed) until they form a
-  contiguous run from the last committed offset of their partition; the commit tracker computes that
-  position. Held requests are keyed by their assignment (the partition's ledger), so that after a partition is
-  revoked and handed back, a late copy of a request from the old assignment can never take the place of the
-  new one: replies of detached ledgers are dropped (the partition's new owner serves them).
+- Finished requests are held (they count towards ``--max-in-flight`` until committed) until every record
+  before them in their partition is answered; the commit tracker computes that position (across the offsets no
+  record was handed over for: transaction markers, aborted records, compaction). Held requests are keyed by
+  their assignment (the partition's ledger), so that after a partition is revoked and handed back, a late copy
+  of a request from the old assignment can never take the place of the new one: replies of detached ledgers are
+  dropped (the partition's new owner serves them).
 - Every ``commit_interval_s`` (and at once on a revoke or at close), one transaction holds exactly the answers
   of those runs plus ``send_offsets_to_transaction`` of the new positions, with the consumer's group metadata,
   so that a member that lost its partitions is fenced by the broker (KIP-447). Either the replies and the

@@ -467,7 +467,7 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     ("poll: tokenise", "handlers/text.py", frozenset({"validate", "validate_many", "_item", "cost"})),
     ("poll: admission", "consumer/admission.py", None),
     ("poll: decode", "consumer/request.py", frozenset({"decode"})),
-    ("poll: track", "consumer/commit.py", frozenset({"track", "check_position"})),
+    ("poll: track", "consumer/commit.py", frozenset({"track", "passed", "pass_to"})),
     ("poll: batcher put", "consumer/batcher.py", frozenset({"put"})),
     ("poll: consume", "consumer/source.py", frozenset({"_fetch"})),
     ("poll: other", "consumer/source.py", None),

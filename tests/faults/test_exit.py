@@ -1,5 +1,6 @@
 """How a ``kinference serve`` process ends (issue 11, items 5-7): within its shutdown deadline even when a
-handler call never returns, and with exit code 1 (so that the orchestrator restarts it) when it cannot go on."""
+handler call never returns, and with exit code 1 (so that the orchestrator restarts it) when it cannot go on; and
+that no record ends it (issue 29, item 2)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import uuid
 import orjson
 import pytest
 
+from kinference import protocol
 from tests.faults.harness import Group, now_ms
-from tests.integration.kafka_io import committed, produce
+from tests.integration.kafka_io import committed, headers_of, produce, read
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -42,11 +44,22 @@ def test_sigterm_while_a_handler_is_stuck_exits_within_the_shutdown_deadline(fau
     assert committed(settings.bootstrap, settings.group_id, [(topic, 0)]) == {(topic, 0): 5}
 
 
+def wait_committed(settings, offset: int, timeout_s: float = 40.0) -> int:
+    topic = settings.topics["requests"]
+    deadline = time.monotonic() + timeout_s
+    while (now := committed(settings.bootstrap, settings.group_id, [(topic, 0)])[(topic, 0)]) != offset:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return now
+
+
 @pytest.mark.timeout(90)
-def test_a_request_nothing_can_answer_stops_the_service_with_exit_code_1(fault_settings):
+def test_a_request_nothing_can_answer_is_counted_and_committed_past_and_the_service_stays_up(fault_settings):
     """The dead-letter topic does not exist (and the producer may not create it), so a malformed request can be
-    neither dead-lettered nor, hence, committed. The service does not go on with that partition frozen while
-    /healthz stays green: it stops with exit code 1, and the committed offset stays before the record."""
+    dead-lettered, nor, hence, answered in full. Issue 29, item 2: the service exited 1,
+    and every start served the record again and exited again, a denial of service on the partition. Now the request
+    is unanswerable, counted and logged, and the commit passes it; its neighbours are answered once."""
     missing = f"missing-dead-{uuid.uuid4().hex[:8]}"
     # librdkafka waits topic.metadata.propagation.max.ms (30 s by default) for a topic to appear: 2 s here.
     settings = fault_settings(1, extra=("--dead-letter-topic", missing,
@@ -58,10 +71,43 @@ def test_a_request_nothing_can_answer_stops_the_service_with_exit_code_1(fault_s
         group.wait_stable(40)
         produce(settings.bootstrap, topic, [(None, orjson.dumps({"seq": 0}), []), (None, b"{not json", []),
                                             (None, orjson.dumps({"seq": 2}), [])])
-        code = member.wait_exit(60)
-    assert code == 1, member.tail()
-    assert member.said("cannot answer the request") and member.said("exit code 1"), member.tail()
-    assert committed(settings.bootstrap, settings.group_id, [(topic, 0)])[(topic, 0)] <= 1
+        position = wait_committed(settings, 3)
+        assert member.running, member.tail()
+        member.terminate()
+        code = member.wait_exit(30)
+    assert position == 3 and code == 0, member.tail()
+    assert member.said("unanswerable request"), member.tail()
+    # The malformed request's error reply went out; only its dead letter could not.
+    assert len(read(settings.bootstrap, settings.topics["replies"], 3, timeout_s=10, settle_s=0.5)) == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_one_megabyte_key_is_answered_without_it_and_the_neighbours_once(fault_settings):
+    """Issue 29, item 2: a ~1 MB key rode on the reply and on every dead letter, none of which the broker took; the
+    request was unanswerable and the service exited 1 on every start, answering the requests around it again each
+    time. The key is left out of its answers now (``--max-key-bytes``), and they say so."""
+    settings = fault_settings(1)
+    records = [(None, orjson.dumps({"seq": i}), [(protocol.CORRELATION_ID, b"%d" % i)]) for i in range(21)]
+    records[10] = (b"k" * 1_000_000, orjson.dumps({"seq": 10}), [(protocol.CORRELATION_ID, b"10")])
+    with Group(settings) as group:
+        member = group.start("big-key")
+        group.wait_stable(40)
+        produce(settings.bootstrap, settings.topics["requests"], records, **{"message.max.bytes": "1100000"})
+        position = wait_committed(settings, 21)
+        replies = read(settings.bootstrap, settings.topics["replies"], 21, timeout_s=20, settle_s=1.0)
+        dead = read(settings.bootstrap, settings.topics["dead"], 1, timeout_s=20, settle_s=0.5)
+        assert member.running, member.tail()
+        member.terminate()
+        code = member.wait_exit(30)
+    assert position == 21 and code == 0, member.tail()
+    by_id = {headers_of(m)[protocol.CORRELATION_ID]: m for m in replies}
+    assert len(replies) == len(by_id) == 21, "every request answered once"
+    big = headers_of(by_id[b"10"])
+    assert by_id[b"10"].key() is None and big[protocol.KEY_OMITTED] == b"1000000"
+    assert big[protocol.ERROR_CODE] == b"payload_too_large"
+    assert all(protocol.ERROR_CODE not in headers_of(m) for name, m in by_id.items() if name != b"10")
+    (letter,) = dead
+    assert letter.key() is None and headers_of(letter)[protocol.KEY_OMITTED] == b"1000000"
 
 
 @pytest.mark.timeout(120)

@@ -121,14 +121,19 @@ def test_a_killed_members_records_are_delivered_again(kafka, unique_id):
     assert 0 < first < total and survivor.process.pid in by_pid
 
 
-def test_a_poison_record_is_rejected_once_with_a_dead_letter_and_never_delivered_again(kafka, unique_id):
+@pytest.mark.parametrize(("key", "value"), [(None, b"{not json"), (b"k" * 1_000_000, b'{"i": -1}')],
+                         ids=["unreadable", "1-MB-key"])
+def test_a_poison_record_is_rejected_once_with_a_dead_letter_and_never_delivered_again(kafka, unique_id, key, value):
     """An unreadable record gets one error reply and one dead letter, and is acknowledged REJECT: a member of the
-    same share group started afterwards does not get it again, while a released record would come back."""
+    same share group started afterwards does not get it again, while a released record would come back. So does a
+    record with a 1 MB key (issue 29, item 2), which no answer could carry: it stopped each member it reached, and
+    after 5 deliveries the broker archived it, with no reply and no dead letter."""
     topics = kafka.topics(requests=1, replies=1, dead=1)
     config = service_config(kafka.bootstrap_servers, topics, group_id=f"share-poison-{unique_id}",
                             group_type="share", kafka_consumer={})
     produce(kafka.bootstrap_servers, topics["requests"],
-            [*requests(0, 20), (None, b"{not json", [(protocol.CORRELATION_ID, b"poison")])])
+            [*requests(0, 20), (key, value, [(protocol.CORRELATION_ID, b"poison")])],
+            **{"message.max.bytes": "1100000"})
     with Service(config) as first:
         assert first.wait_ready(30)
         replies = read(kafka.bootstrap_servers, topics["replies"], 21, timeout_s=30)

@@ -2,7 +2,8 @@
 
 A worker killed with SIGKILL is started again and its partitions are served; the host's ``/metrics`` adds up
 both workers' (prometheus_client's multiprocess mode); ``/healthz`` names each worker; SIGTERM to the supervisor
-reaches every worker, and all exit cleanly."""
+reaches every worker, and all exit cleanly; SIGKILL to the supervisor ends its workers too; a record no worker could
+answer whole restarts none."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 
 import orjson
 import pytest
 
+from kinference import protocol
 from kinference.consumer.broker import free_port
 from tests.faults.harness import Member, client_for
+from tests.integration.kafka_io import headers_of, produce, read
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -111,3 +115,47 @@ def test_a_killed_worker_is_restarted_its_partitions_served_and_metrics_add_up(f
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         supervisor.kill()
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie whose new parent has not reaped it yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(180)
+def test_a_one_megabyte_key_restarts_no_worker_and_a_killed_supervisor_takes_its_workers(fault_settings):
+    """Issue 29. Item 2: under ``--workers 2`` a record with a ~1 MB key made each worker that got its partition exit,
+    until the supervisor gave up and the host stopped (8 worker exits in 33 s). Item 3: a SIGKILLed supervisor left
+    its workers serving, as orphans, beside the workers of a restarted one."""
+    settings = fault_settings(partitions=2, assignor="range")
+    port = free_port()
+    args = [arg for arg in settings.args() if arg != "--no-metrics"]
+    supervisor = Member("supervisor", [*args, "--workers", "2", "--metrics-host", "127.0.0.1",
+                                       "--metrics-port", str(port)])
+    records = [(None, orjson.dumps({"seq": i}), [(protocol.CORRELATION_ID, b"%d" % i)]) for i in range(21)]
+    records[10] = (b"k" * 1_000_000, orjson.dumps({"seq": 10}), [(protocol.CORRELATION_ID, b"10")])
+    workers: list[int] = []
+    try:
+        wait_until(lambda: get(port, "/readyz")[0] == 200, 60, "both workers ready", supervisor)
+        produce(settings.bootstrap, settings.topics["requests"], records, **{"message.max.bytes": "1100000"})
+        replies = read(settings.bootstrap, settings.topics["replies"], 21, timeout_s=30, settle_s=1.0)
+        by_id = Counter(headers_of(m)[protocol.CORRELATION_ID] for m in replies)
+        assert len(by_id) == 21 and set(by_id.values()) == {1}, by_id
+        metrics = get(port, "/metrics")[1]
+        assert sample(metrics, "kinference_worker_restarts_total") == 0, supervisor.tail()
+
+        workers = list(worker_pids(supervisor).values())
+        killed = time.monotonic()
+        supervisor.kill()
+        while any(map(running, workers)):
+            assert time.monotonic() < killed + 10, f"orphaned workers still run: {list(filter(running, workers))}"
+            time.sleep(0.1)
+        print(f"\nsupervisor SIGKILLed: its {len(workers)} workers gone after {time.monotonic() - killed:.1f} s")
+    finally:
+        supervisor.kill()
+        for pid in filter(running, workers):  # a failed test: not left to outlive it
+            os.kill(pid, signal.SIGKILL)

@@ -146,36 +146,35 @@ def test_a_consumer_that_went_back_restarts_the_ledger_instead_of_skipping_the_r
     assert positions(tracker) == {P0: 52} and tracker.in_flight == 0
 
 
-def test_an_offset_the_consumer_passed_untracked_is_never_committed_over():
-    """A record lost between the consumer and the tracker (a bug upstream) is a gap: the commit position stops
-    before it for good, even when later records finish."""
+def test_offsets_never_handed_over_are_committed_across_and_an_unanswered_record_never():
+    """Issue 29: transaction markers, aborted records (read_committed) and compaction leave gaps in the offsets.
+    The ledger commits across them, between tracked records and after the last one (the consumer's position),
+    and never past a record it was handed and that is not answered."""
     tracker = OffsetTracker()
     tracker.assign([P0])
-    first = make_request(offset=10)
-    track(tracker, first)
-    tracker.check_position(P0, 11)  # consistent: the next record is right after the last one tracked
-    tracker.finish([first])
-    assert positions(tracker) == {P0: 11}
-    tracker.check_position(P0, 14)  # 11..13 were handed over but never tracked
-    later = make_request(offset=14)
-    track(tracker, later)
+    first, after_gap, later = (make_request(offset=offset) for offset in (10, 16, 17))
+    for request in (first, after_gap, later):
+        track(tracker, request)
+    tracker.passed([(P0, 20)])  # 18 and 19: a marker and a compacted record after the last record handed over
+    assert positions(tracker) == {}  # nothing answered yet
     tracker.finish([later])
-    assert positions(tracker) == {P0: 11}
-    tracker.revoke([P0])
-    tracker.assign([P0])  # a new assignment starts clean
-    again = make_request(offset=11)
-    track(tracker, again)
-    tracker.finish([again])
-    assert positions(tracker) == {P0: 12}
+    assert positions(tracker) == {}, "offset 10 is unanswered: nothing past it"
+    tracker.finish([first])
+    assert positions(tracker) == {P0: 16}, "11-15 were never handed over; 16 is the first unanswered record"
+    tracker.finish([after_gap])
+    assert positions(tracker) == {P0: 20}
+    tracker.committed(tracker.commit_offsets())
+    tracker.passed([(P0, 22)])  # a transaction's marker, fetched on its own after the records
+    assert positions(tracker) == {P0: 22}
 
 
-def test_a_position_behind_the_last_tracked_record_is_no_gap():
-    """A redelivered record (tracked once already) leaves the consumer's position behind the tracker's."""
+def test_a_position_behind_the_last_tracked_record_moves_nothing():
+    """A position read before a record of the same fetch was handed over, or after a reset, is no gap."""
     tracker = OffsetTracker()
     tracker.assign([P0])
     request = make_request(offset=5)
     track(tracker, request)
-    tracker.check_position(P0, 3)
+    tracker.passed([(P0, 3), (("other", 0), 9)])  # and a partition not assigned is ignored
     tracker.finish([request])
     assert positions(tracker) == {P0: 6}
 

@@ -208,7 +208,7 @@ def test_topic_plan_and_max_message_bytes_hold_a_maximal_dead_letter():
     assert config.topic_config == {"min.insync.replicas": "2", "retention.ms": "60000"}
     assert load_config({"reply_partitions": "3"}, environ={}).topic_partitions()["kinference-replies"] == 3
     needed = config.dead_letter_max_bytes
-    assert needed == config.max_request_bytes + config.max_header_bytes + 4096
+    assert needed == config.max_request_bytes + config.max_header_bytes + config.max_key_bytes + 4096
     assert load_config({"topic_config": [f"max.message.bytes={needed}"]}, environ={}).topic_config
     with pytest.raises(ConfigError, match=f"must hold the dead letter of a maximal request.*= {needed}"):
         load_config({"topic_config": [f"max.message.bytes={needed - 1}"]}, environ={})

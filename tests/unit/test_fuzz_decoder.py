@@ -81,6 +81,7 @@ decoders = st.builds(
     max_request_bytes=st.sampled_from([1, 64, 1_048_576]),
     payload_format=st.sampled_from(["json", "bytes", "record"]),
     max_header_bytes=st.sampled_from([1, 64, 16_384]),
+    max_key_bytes=st.sampled_from([4, 4096]),
 )
 
 
@@ -99,7 +100,9 @@ def test_decode_never_raises_and_every_outcome_encodes(producer, decoder, value,
     record = FakeRecord(value, headers=record_headers, key=key, topic="requests", partition=3, offset=41)
     request = decoder.decode(record, received=10.0)
 
-    assert (request.topic, request.partition, request.offset, request.key) == ("requests", 3, 41, key)
+    fits = key is None or len(key) <= decoder.max_key_bytes
+    assert (request.topic, request.partition, request.offset, request.key) == ("requests", 3, 41, key if fits else None)
+    assert request.key_omitted == (None if fits else len(key))
     assert request.value == value and request.headers == (record_headers or [])
     if request.error is not None:
         assert request.dead_letter and request.error.code in DECODE_CODES and request.error.message

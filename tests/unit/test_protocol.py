@@ -114,6 +114,32 @@ def test_oversized_headers_are_payload_too_large_but_routing_is_kept():
     assert "max_header_bytes is 64" in request.error.message and request.correlation_id == "c9"
 
 
+def test_a_key_too_large_for_any_answer_is_left_out_and_the_answers_say_so():
+    """Issue 29, item 2: a ~1 MB key rode on the reply and on every dead letter, none of which the broker took; the
+    request was unanswerable and the service exited on every start."""
+    decoder = requests.RequestDecoder("replies", 100, max_key_bytes=64)
+    record = FakeRecord(b"1", headers=[(protocol.CORRELATION_ID, b"c9"), (protocol.REPLY_TO, b"mine")],
+                        key=b"k" * 1_000_000, topic="t", partition=1, offset=9)
+    request = decoder.decode(record)
+    assert request.error.code == ErrorCode.PAYLOAD_TOO_LARGE and request.dead_letter
+    assert "max_key_bytes is 64" in request.error.message
+    assert (request.correlation_id, request.reply_topic) == ("c9", "mine")  # the error reply finds its caller
+    reply, dead = answers.answer(request, "dead", now=1.0)
+    for delivery in (reply, dead):
+        _, value, key, headers, _ = delivery.record
+        assert key is None and dict(headers)[protocol.KEY_OMITTED] == b"1000000"
+        assert len(value) + sum(len(name) + len(raw) for name, raw in headers) < 2_000
+    # A key within the bound rides on the answers, as always.
+    assert decoder.decode(FakeRecord(b"1", key=b"k" * 64)).key == b"k" * 64
+
+
+def test_a_dead_letter_cut_down_says_what_it_left_out():
+    request = DECODER.decode(FakeRecord(b"{oops", headers=[("h", b"v")]))
+    error = RequestError("bad", ErrorCode.BAD_REQUEST)
+    assert dict(answers.dead_letter_headers(request, error, original=False))[protocol.ORIGINAL_OMITTED] == b"true"
+    assert protocol.ORIGINAL_OMITTED not in dict(answers.dead_letter_headers(request, error))
+
+
 def test_record_timestamp_is_kept_for_queue_age():
     class Timed(FakeRecord):
         def timestamp(self):

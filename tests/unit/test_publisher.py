@@ -101,15 +101,20 @@ def test_an_undeliverable_reply_is_answered_by_a_dead_letter(mode):
     assert dead.topic() == "dead" and code_of(dead) == b"internal_error"
 
 
-def test_a_request_nothing_can_answer_stays_unanswered_and_stops_the_service(mode):
-    refused = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)
-    harness = Harness(mode, [lambda c: FakeProducer(c, fate=lambda t: refused)])
-    harness.publisher.submit([harness.request(0)])
-    assert wait_for(lambda: harness.publisher.failure is not None)
-    assert "cannot be answered" in harness.publisher.failure and "dead" in harness.publisher.failure
-    assert wait_for(lambda: not harness.publisher.alive)  # /healthz fails; the service exits non-zero
+def test_a_request_nothing_can_answer_is_counted_and_committed_past_and_the_service_goes_on(mode):
+    """Issue 29, item 2: a request whose reply and dead letter were both refused for good stopped the service (exit
+    1), and every start served it again and stopped again, its neighbours answered again each time. Producing the
+    same records again would be refused again: it is an outcome of its own, and the commit passes it."""
+    refused = {"nowhere": KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART),
+               "dead": KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)}
+    harness = Harness(mode, [lambda c: FakeProducer(c, fate=refused.get)])
+    harness.publisher.submit([harness.request(0, reply_topic="nowhere"), harness.request(1)])
+    assert wait_for(lambda: harness.durable == 2)
+    assert harness.publisher.failure is None and harness.publisher.alive
+    assert harness.metrics.registry.get_sample_value("kinference_unanswerable_requests_total") == 1
     harness.stop()
-    assert harness.durable == 0  # so its offset is never committed
+    (reply,) = harness.visible
+    assert reply.topic() == "replies" and code_of(reply) is None
 
 
 def test_a_record_that_timed_out_is_produced_again_not_dead_lettered(mode):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import urllib.error
 import urllib.request
@@ -92,3 +95,61 @@ def test_a_worker_that_died_is_started_again(tmp_path: Path):
     finally:
         supervisor.stop()
         runner.join(15)
+
+
+# A supervisor in a process of its own, started by the test so that the test can SIGKILL it. Its workers call what a
+# worker of `serve --workers N` calls first, write their pid, and run until SIGTERM (exit 0).
+_SUPERVISOR = """
+import sys
+from pathlib import Path
+from kinference.consumer.supervisor import Supervisor
+worker = '''
+import os, signal, sys, time
+from pathlib import Path
+from kinference.consumer.supervisor import die_with_supervisor
+die_with_supervisor()
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+Path(sys.argv[1]).with_suffix(".pid").write_text(str(os.getpid()))
+while True:
+    time.sleep(0.1)
+'''
+Supervisor(2, lambda report: [sys.executable, "-c", worker, str(Path(sys.argv[1]) / report.name)], grace_s=5).run()
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie whose new parent has not reaped it yet does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_workers_die_with_a_killed_supervisor_and_its_directories_go_at_the_next_start(tmp_path: Path, monkeypatch):
+    """Issue 29, item 3: a SIGKILLed supervisor left its workers serving as orphans (40 of 40 new requests answered
+    by them) beside a restarted supervisor's, and its temporary directories behind."""
+    pids, temporary = tmp_path / "pids", tmp_path / "tmp"
+    pids.mkdir()
+    temporary.mkdir()
+    supervisor = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, str(pids)], env={**os.environ,
+                                  "TMPDIR": str(temporary)})
+    try:
+        assert wait_for(lambda: len(list(pids.glob("*.pid"))) == 2, timeout_s=30)
+        workers = [int(path.read_text()) for path in pids.glob("*.pid")]
+        assert all(_running(pid) for pid in workers)
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+    try:
+        assert wait_for(lambda: not any(_running(pid) for pid in workers), timeout_s=5), "orphaned workers still run"
+    finally:
+        for pid in filter(_running, workers):  # what a failure left running: not left to outlive the test
+            os.kill(pid, signal.SIGKILL)
+    left = sorted(path.name.split("-")[1] for path in temporary.iterdir())
+    assert left == ["metrics", "workers"]  # a killed supervisor cannot remove its own
+    live = temporary / f"kinference-workers-{os.getpid()}-live"  # a running supervisor's: kept
+    live.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    Supervisor(1, lambda report: [sys.executable, "-c", "pass"], grace_s=1).run()
+    assert list(temporary.iterdir()) == [live]
