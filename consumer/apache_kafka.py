@@ -139,7 +139,16 @@ class ApacheKafkaBroker:
     ``properties`` are added to (and override) ``BROKER_DEFAULTS`` in the generated ``server.properties``;
     ``features`` are the KRaft feature levels the storage is formatted with (``share.version=1`` enables
     KIP-932 share groups). ``heap`` is the JVM's fixed heap: small, as tests and benches on 2 cores need.
+
+    A subclass may secure it: ``listeners`` (name: security protocol; the first is ``bootstrap_servers``, and the
+    one brokers use among themselves), each on a free port of ``ports``; ``client_properties``, what a client of
+    the first listener needs (this object's own readiness check uses them); ``storage_arguments``, more arguments
+    of the storage tool's ``format`` (``--add-scram``: SCRAM credentials that exist before the broker starts).
     """
+
+    listeners: Mapping[str, str] = {"PLAINTEXT": "PLAINTEXT"}
+    client_properties: Mapping[str, str] = {}
+    storage_arguments: tuple[str, ...] = ()
 
     kind = "kafka"
     description = f"Apache Kafka {kafka_version()}"
@@ -158,6 +167,7 @@ class ApacheKafkaBroker:
         log_file: Path | None = None,
     ) -> None:
         self.port = port or free_port(self.host)
+        self.ports = {name: self.port if i == 0 else free_port(self.host) for i, name in enumerate(self.listeners)}
         self.properties = {**BROKER_DEFAULTS, **(properties or {})}
         self.features = {"share.version": 1, **(features or {})}
         self.heap = heap
@@ -193,15 +203,17 @@ class ApacheKafkaBroker:
 
     def _write_config(self, directory: Path) -> Path:
         controller = free_port(self.host)
+        advertised = ",".join(f"{name}://{self.host}:{port}" for name, port in self.ports.items())
+        protocols = ",".join(f"{name}:{protocol}" for name, protocol in self.listeners.items())
         settings = {
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.voters": f"1@{self.host}:{controller}",
-            "listeners": f"PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{controller}",
-            "advertised.listeners": f"PLAINTEXT://{self.host}:{self.port}",
+            "listeners": f"{advertised},CONTROLLER://{self.host}:{controller}",
+            "advertised.listeners": advertised,
             "controller.listener.names": "CONTROLLER",
-            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
-            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": f"CONTROLLER:PLAINTEXT,{protocols}",
+            "inter.broker.listener.name": next(iter(self.listeners)),
             "log.dirs": str(directory / "data"),
             **self.properties,
         }
@@ -221,7 +233,8 @@ class ApacheKafkaBroker:
     def _format(self, jars: Path, config: Path) -> None:
         features = [arg for name, level in self.features.items() for arg in ("--feature", f"{name}={level}")]
         command = self._java(jars, "kafka.tools.StorageTool", "format", "--cluster-id", _cluster_id(),
-                             "--config", str(config), "--ignore-formatted", *features)
+                             "--config", str(config), "--ignore-formatted", *features,
+                             *self.storage_arguments)
         result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if result.returncode != 0:
             raise BrokerError(f"formatting Apache Kafka's storage failed (exit {result.returncode}): "
@@ -237,7 +250,7 @@ class ApacheKafkaBroker:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0, **self.client_properties})
         while time.monotonic() < deadline:
             assert self._process is not None
             if self._process.poll() is not None:

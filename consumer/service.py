@@ -34,7 +34,7 @@ from kinference.consumer.metrics import Metrics
 from kinference.consumer.models import Models
 from kinference.consumer.publisher import Publisher, PublishSettings
 from kinference.consumer.request import RequestDecoder
-from kinference.consumer.share import ShareLedger, ShareSource
+from kinference.consumer.share import ShareLedger, ShareSource, set_share_group_start
 from kinference.consumer.source import Source
 from kinference.consumer.transactions import MemberSlot, TransactionCheckpoint
 from kinference.errors import ConfigError
@@ -157,6 +157,8 @@ class Service:
 
     def _build(self, config: ServiceConfig) -> tuple[Publisher, Source | ShareSource]:
         """The publisher, each model's batcher and stages, and the source with its intake (none started)."""
+        if isinstance(self.tracker, ShareLedger):
+            set_share_group_start(config)  # first: a refusal (an ACL) leaves no client behind
         checkpoint: TransactionCheckpoint | ConsumerCheckpoint
         producer_config = config.producer_config()
         if config.delivery == "exactly-once":

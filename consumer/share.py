@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from enum import IntEnum
 from typing import Any
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 
 from kinference.consumer.config import ServiceConfig
@@ -44,7 +44,7 @@ from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
 from kinference.consumer.source import ConsumerErrors, poll_until_closed
 from kinference.consumer.types import PartitionKey
-from kinference.errors import ConfigError
+from kinference.errors import BrokerError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -149,13 +149,20 @@ class ShareLedger:
 def set_share_group_start(config: ServiceConfig, timeout_s: float = 30.0) -> None:
     """Set the group's ``share.auto.offset.reset`` (where a new share group starts: Kafka's default is latest,
     which would skip the requests written before the first member joined) to the consumer's
-    ``auto.offset.reset``."""
+    ``auto.offset.reset``. The service calls it before it starts anything; ``BrokerError`` if the broker refuses."""
     admin = AdminClient({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()})
     entry = ConfigEntry("share.auto.offset.reset", config.share_auto_offset_reset,
                         incremental_operation=AlterConfigOpType.SET)
     resource = ConfigResource(ResourceType.GROUP, config.group_id, incremental_configs=[entry])
-    for future in admin.incremental_alter_configs([resource], request_timeout=timeout_s).values():
-        future.result(timeout_s)
+    try:
+        for future in admin.incremental_alter_configs([resource], request_timeout=timeout_s).values():
+            future.result(timeout_s)
+    except KafkaException as exc:
+        error = exc.args[0]
+        needs = (" (a share group member needs AlterConfigs on its group: docs/security.md#acls)"
+                 if error.code() == KafkaError.GROUP_AUTHORIZATION_FAILED else "")
+        raise BrokerError(f"cannot set share.auto.offset.reset of share group {config.group_id!r}: "
+                          f"{error.str()}{needs}") from exc
 
 
 class ShareSource:
@@ -191,7 +198,6 @@ class ShareSource:
         """Set once the first fetch came back: the member is in the share group."""
 
     def start(self) -> None:
-        set_share_group_start(self._config)
         self._consumer.subscribe(list(self._config.request_topics))
         self._thread.start()
 

@@ -275,7 +275,10 @@ class Client:
     def _on_record(self, record: Any) -> None:
         received_at = time.monotonic()
         if record.error() is not None:
-            log.warning("reply consumer: %s", record.error())
+            # librdkafka looks up the coordinator of the group.id it requires, which this client never joins: a
+            # principal without ACLs on that group (none are needed, docs/security.md) is refused, harmlessly.
+            unused_group = record.error().code() == KafkaError.GROUP_AUTHORIZATION_FAILED
+            log.log(logging.DEBUG if unused_group else logging.WARNING, "reply consumer: %s", record.error())
             return
         correlation_id = _correlation_id(record)
         entry = self._pending.take(correlation_id) if correlation_id else None

@@ -102,8 +102,7 @@ class FakeShareConsumer:
         self.closed = True
 
 
-def test_the_poll_thread_fetches_again_only_once_the_last_fetch_is_acknowledged(monkeypatch):
-    monkeypatch.setattr("kinference.consumer.share.set_share_group_start", lambda config: None)
+def test_the_poll_thread_fetches_again_only_once_the_last_fetch_is_acknowledged():
     ledger, models = ShareLedger(), FakeModels()
     routed = models.routed
     intake = Intake(RequestDecoder("replies", 1000), ledger, models)
