@@ -34,8 +34,8 @@ import base64
 import binascii
 import math
 from collections.abc import Iterable
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, ClassVar, Literal
 
 import numpy as np
