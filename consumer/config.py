@@ -46,6 +46,9 @@ _PRODUCER_DEFAULTS = {
     "acks": "all",
     "linger.ms": "2",
     "compression.type": "lz4",
+    # A reply is produced only to a topic that exists (topic_metadata), and the producer's metadata requests must
+    # never create one either: librdkafka's producer default is true.
+    "allow.auto.create.topics": "false",
 }
 # The classic group protocol's assignor: incremental, so a rebalance moves only the partitions that change
 # owner and the others keep being served. KIP-848's protocol (group.protocol=consumer) assigns on the broker
@@ -56,6 +59,9 @@ _PINNED_CONSUMER = {"enable.auto.commit": "false", "enable.auto.offset.store": "
 # Producer properties whose weaker values would give up what the delivery modes promise.
 _PINNED_PRODUCER = {"acks": ("all", "-1"), "enable.idempotence": ("true",)}
 _LIBRDKAFKA_DELIVERY_TIMEOUT_MS = 300_000
+INTERNAL_TOPICS = ("__", "_schemas", "_confluent")
+"""Name prefixes of the topics that Kafka (``__consumer_offsets``, ``__transaction_state``...), Schema Registry
+(``_schemas``) and Confluent's components (``_confluent-...``) keep their own state in: never a reply topic."""
 # Properties that first-class options set: a pass-through copy would silently win over the option.
 _OWNED_PROPERTIES = {
     "bootstrap.servers": "bootstrap_servers",
@@ -347,7 +353,8 @@ class ServiceConfig(BaseModel):
     )
     reply_topics_allowed: list[str] = Field(
         [], description="Reply topics a request may name besides --reply-topic: names or shell-style patterns "
-        "(replies-*), comma-separated. The request and dead-letter topics are never allowed.",
+        "(replies-*), comma-separated. The request and dead-letter topics and internal topics (__*, _schemas, "
+        "_confluent*) are never allowed; an allowed topic that does not exist gets reply_topic_not_found.",
     )
     commit_interval_ms: int = Field(1000, ge=10, description="How often acknowledged offsets are committed.")
     rebalance_drain_ms: int = Field(
@@ -528,6 +535,9 @@ class ServiceConfig(BaseModel):
             if producer.get(key, allowed[0]).lower() not in allowed:
                 raise ValueError(f"{key} must stay {allowed[0]}: without it a reply can be lost or written twice "
                                  "by the producer's own retries")
+        if producer["allow.auto.create.topics"].lower() != "false":
+            raise ValueError("allow.auto.create.topics must stay false: a request's reply-to header would otherwise "
+                             "create topics on a broker that allows it")
         for option in ("kafka", "kafka_consumer", "kafka_producer"):
             for key in getattr(self, option).keys() & _OWNED_PROPERTIES.keys():
                 field = _OWNED_PROPERTIES[key]
@@ -701,10 +711,11 @@ class ServiceConfig(BaseModel):
     def reply_topic_allowed(self, topic: str) -> bool:
         """Whether a request may have its reply written to ``topic``: the default reply topic, or a name or
         pattern of ``reply_topics_allowed``; never a request topic or the dead-letter topic (the service
-        would feed itself, or forge dead letters)."""
+        would feed itself, or forge dead letters), nor an internal topic (``INTERNAL_TOPICS``), whatever the
+        patterns say."""
         if topic == self.reply_topic:
             return True
-        if topic in self.request_topics or topic == self.dead_letter_topic:
+        if topic in self.request_topics or topic == self.dead_letter_topic or topic.startswith(INTERNAL_TOPICS):
             return False
         return any(fnmatch.fnmatchcase(topic, pattern) for pattern in self.reply_topics_allowed)
 

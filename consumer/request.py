@@ -119,6 +119,9 @@ class RequestDecoder:
     max_header_bytes: int = 16_384
     reply_topic_allowed: Callable[[str], bool] = _any_topic
     """Whether a request may name this reply topic (``config.ServiceConfig.reply_topic_allowed``)."""
+    reply_topic_exists: Callable[[str], bool] = _any_topic
+    """Whether an allowed reply topic exists (``topic_metadata.ExistingTopics``): a reply is never produced to a
+    topic that does not, which would wait out its delivery timeout, or create the topic."""
     model: oip.ServedModel | None = None
     """The served model, for Open Inference Protocol requests; None: kinference's own JSON only."""
     schemas: SchemaRegistryFormat | None = None
@@ -201,6 +204,13 @@ class RequestDecoder:
                 problems.append(refusal)
             else:
                 request.fail(RequestError(refusal, ErrorCode.REPLY_TOPIC_NOT_ALLOWED))
+        elif request.reply_topic != self.default_reply_topic and not self.reply_topic_exists(request.reply_topic):
+            asked, request.reply_topic, request.reply_partition = request.reply_topic, self.default_reply_topic, None
+            missing = f"reply topic {asked!r} does not exist; the reply goes to {self.default_reply_topic!r}"
+            if problems:
+                problems.append(missing)
+            else:
+                request.fail(RequestError(missing, ErrorCode.REPLY_TOPIC_NOT_FOUND))
         if problems:
             # Routing headers were read as far as possible first, so the error reply still finds its caller.
             raise RequestError("; ".join(problems), ErrorCode.BAD_REQUEST)

@@ -18,6 +18,7 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ from kinference.consumer.publisher import Publisher, PublishSettings
 from kinference.consumer.request import RequestDecoder
 from kinference.consumer.share import ShareLedger, ShareSource
 from kinference.consumer.source import Source
+from kinference.consumer.topic_metadata import ExistingTopics
 from kinference.consumer.transactions import MemberSlot, TransactionCheckpoint
 from kinference.errors import ConfigError
 from kinference.handlers import Handler
@@ -168,7 +170,7 @@ class Service:
         router = self.models.build(publisher.submit, self.metrics, self.tracing)
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
-                                 router=router)
+                                 router=router, reply_topic_exists=self._existing_topics(config))
         if isinstance(self.tracker, ShareLedger):  # a share group has no offsets: no lag to measure
             self.source = ShareSource(config, Intake(decoder, self.tracker, self.models, self.tracing), self.metrics)
             return publisher, self.source
@@ -178,6 +180,13 @@ class Service:
                               config.group_id, lambda: source.rebalance.partitions, self.metrics,
                               config.lag_interval_s)
         return publisher, source
+
+    @staticmethod
+    def _existing_topics(config: ServiceConfig) -> Callable[[str], bool]:
+        """Whether a reply topic a request names exists: asked of the cluster only when requests may name one."""
+        if not config.reply_topics_allowed:
+            return lambda _topic: True  # the default reply topic is the only one: nothing else gets this far
+        return ExistingTopics.of({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()})
 
     @property
     def handler(self) -> Handler:

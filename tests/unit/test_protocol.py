@@ -3,10 +3,12 @@ import time
 
 import orjson
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from kinference import protocol
 from kinference.consumer import answers, jsonscan
 from kinference.consumer import request as requests
+from kinference.consumer.topic_metadata import ExistingTopics
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 from tests.fakes import FakeRecord
@@ -162,6 +164,51 @@ def test_a_reply_topic_outside_the_allow_list_gets_an_error_on_the_default_topic
     assert "their-requests" in request.error.message
     allowed = ALLOWING.decode(FakeRecord(b"1", headers=[(protocol.REPLY_TO, b"team-a")]))
     assert allowed.ok and allowed.reply_topic == "team-a"
+
+
+def test_an_allowed_reply_topic_that_does_not_exist_gets_an_error_at_once_on_the_default_topic():
+    """Issue 29, items 7 and 8: the reply was produced to the missing topic, which created it on a broker that
+    auto-creates, or waited out librdkafka's delivery timeout (~30 s) in flight."""
+    decoder = requests.RequestDecoder("replies", 100, reply_topic_allowed=lambda topic: topic.startswith("team-"),
+                                      reply_topic_exists=lambda topic: topic == "team-a")
+    missing = decoder.decode(FakeRecord(b"1", headers=[(protocol.REPLY_TO, b"team-b"),
+                                                       (protocol.SPRING_REPLY_PARTITION, struct.pack(">i", 2))]))
+    assert missing.error.code == ErrorCode.REPLY_TOPIC_NOT_FOUND and not missing.dead_letter
+    assert (missing.reply_topic, missing.reply_partition) == ("replies", None) and "team-b" in missing.error.message
+    assert decoder.decode(FakeRecord(b"1", headers=[(protocol.REPLY_TO, b"team-a")])).reply_topic == "team-a"
+    # The default reply topic is not looked up; a topic not allowed is refused before any lookup.
+    asked = []
+    decoder = requests.RequestDecoder("replies", 100, reply_topic_allowed=lambda topic: topic.startswith("team-"),
+                                      reply_topic_exists=lambda topic: asked.append(topic) or True)
+    decoder.decode(FakeRecord(b"1", headers=[(protocol.REPLY_TO, b"replies")]))
+    decoder.decode(FakeRecord(b"1", headers=[(protocol.REPLY_TO, b"elsewhere")]))
+    assert asked == []
+
+
+def test_existing_topics_are_listed_once_per_burst_of_misses_and_again_when_old():
+    now = [0.0]
+    listed = []
+    topics = {"team-a"}
+
+    def lister(timeout_s: float) -> set[str]:
+        listed.append(now[0])
+        return set(topics)
+
+    existing = ExistingTopics(lister, miss_refresh_s=1.0, max_age_s=30.0, clock=lambda: now[0])
+    assert existing("team-a") and listed == [0.0]
+    assert not any(existing("team-b") for _ in range(1000)) and listed == [0.0]  # one burst: one listing
+    topics.add("team-b")
+    now[0] = 1.5
+    assert existing("team-b") and listed == [0.0, 1.5]  # created since: found at the next miss
+    now[0] = 40.0
+    assert existing("team-a") and listed == [0.0, 1.5, 40.0]  # an old list is read again, hit or miss
+
+    def unreachable(timeout_s: float) -> set[str]:
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+
+    existing._lister = unreachable
+    now[0] = 80.0
+    assert existing("team-a") and not existing("team-c")  # the list read last stays in use
 
 
 def test_a_bad_record_asking_for_a_forbidden_topic_is_answered_on_the_default_topic():
