@@ -409,9 +409,21 @@ class ServiceConfig(BaseModel):
         "text", description="text, or json: one object per line with topic/partition/offset/correlation_id."
     )
     metrics: bool = Field(True, description="Serve /metrics, /healthz and /readyz (--no-metrics: off).")
-    metrics_host: str = Field("0.0.0.0", description="Bind address of /metrics, /healthz and /readyz.")
+    metrics_host: str = Field(
+        "0.0.0.0", description="Bind address of /metrics, /healthz and /readyz: every interface, for Prometheus and "
+        "Kubernetes probes from outside the pod; 127.0.0.1 where only the host itself may read them (see "
+        "docs/security.md#the-metrics-and-health-endpoint).",
+    )
     metrics_port: int = Field(
         9400, ge=0, le=65535, description="Port of /metrics, /healthz and /readyz (0: any free port)."
+    )
+    metrics_max_connections: int = Field(
+        64, ge=1, le=10_000, description="Most connections the /metrics, /healthz and /readyz server holds open; "
+        "past it the oldest idle one is closed.",
+    )
+    metrics_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="The /metrics, /healthz and /readyz server closes a connection that sends "
+        "no request within this, and bounds each read and write of a request by it.",
     )
     tracing: bool = Field(
         False, description="Record an OpenTelemetry span per request, exported as the OTEL_* environment variables "

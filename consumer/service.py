@@ -27,7 +27,7 @@ from confluent_kafka import KafkaException
 
 from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.endpoints import Endpoints
+from kinference.consumer.endpoints import Endpoints, EndpointSettings
 from kinference.consumer.intake import Intake
 from kinference.consumer.lag import LagMonitor
 from kinference.consumer.metrics import Metrics
@@ -109,8 +109,8 @@ class Service:
         config = self.config
         if config.metrics:
             # Up before the model loads, so probes see "alive, not ready" during a slow start.
-            self.endpoints = Endpoints(config.metrics_host, config.metrics_port, self.metrics.registry,
-                                       self.health_checks, self.readiness_checks).start()
+            self.endpoints = Endpoints(EndpointSettings.of(config), self.metrics.registry, self.health_checks,
+                                       self.readiness_checks).start()
         try:
             return self._start(config)
         except BaseException:
