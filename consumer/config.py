@@ -341,6 +341,11 @@ class ServiceConfig(BaseModel):
     max_in_flight: int = Field(
         2048, ge=1, description="Requests consumed but not yet committed; above it partitions pause."
     )
+    max_in_flight_bytes: int = Field(
+        536_870_912, ge=1, description="Bytes that requests consumed and not yet answered may hold once decoded (a "
+        "JSON value takes 2-40x its size in Python objects, estimated from its bytes); above it partitions pause, "
+        "at half they resume. Beside --max-in-flight: whichever is reached first.",
+    )
     resume_in_flight: int | None = Field(
         None, ge=0, description="Resume paused partitions at or below this (default: max_in_flight / 2)."
     )

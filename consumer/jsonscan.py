@@ -64,3 +64,24 @@ def collector_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+_CONTAINER_BYTES = 72
+"""A list or dict: its object, garbage-collector header and the slot that holds it (an empty list: 64)."""
+_QUOTE_BYTES = 29
+"""Half a string's object and slot (a short string: 58), per quote."""
+_ELEMENT_BYTES = 36
+"""A number and its slot, per comma (an int past the small ones: 36; a float: 32)."""
+_ENTRY_BYTES = 40
+"""A dict entry's share of its hash table, per colon."""
+
+
+def decoded_bytes(value: bytes) -> int:
+    """About what ``value`` (JSON text) holds once decoded into Python objects, and its own bytes, from counts of its
+    structural bytes at C speed; never below it for any shape measured. Measured with tracemalloc, raw bytes
+    included (estimate in brackets): a list of empty lists 22x its bytes (38x), of empty dicts 25x (38x), of
+    two-character strings 13x (21x), of floats 3.7x (5x), of small ints 5x (20x); ASCII text 2x (2x)."""
+    text = len(value) if value.isascii() else 4 * len(value)  # one non-ASCII character makes a string 2-4 bytes each
+    return (len(value) + text + _CONTAINER_BYTES * (value.count(b"[") + value.count(b"{"))
+            + _QUOTE_BYTES * value.count(b'"') + _ELEMENT_BYTES * value.count(b",")
+            + _ENTRY_BYTES * value.count(b":"))

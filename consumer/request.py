@@ -38,6 +38,9 @@ if TYPE_CHECKING:  # the Schema Registry client is an optional extra: imported o
     from kinference.consumer.serdes import SchemaRegistryFormat
 
 _LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_BINARY_DECODED = 40
+"""What an Avro or Protobuf record holds decoded, per byte, at most: a one-byte varint becomes an int and its slot
+(36 bytes)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +87,8 @@ class Request:
     """The request's span (``consumer.tracing.RequestTrace``); None when tracing is off."""
     model: ModelRoute | None = None
     """The model that serves it (``consumer.router``); None until routed, and for a record no model serves."""
+    held_bytes: int = 0
+    """About the memory its value holds, raw and decoded (``budget.ByteBudget`` counts it while in flight)."""
 
     @property
     def ok(self) -> bool:
@@ -176,7 +181,18 @@ class RequestDecoder:
         if self.schemas is not None:
             # Whatever failed: every reply on the topic is in its format, written for the topic read from the headers.
             request.reply_format = self.schemas.reply(request.reply_topic)
+        request.held_bytes = self._held_bytes(request)
         return request
+
+    def _held_bytes(self, request: Request) -> int:
+        """About what the request's value holds once decoded, raw bytes included: computed from the bytes at C speed
+        (``jsonscan.decoded_bytes`` for JSON), never by walking the decoded value."""
+        value = request.value or b""
+        if request.payload is None or isinstance(request.payload, bytes | Record):
+            return len(value)  # not decoded, or handed over as the bytes themselves
+        if self.schemas is not None and self.schemas.value_format != "jsonschema":
+            return _BINARY_DECODED * len(value)
+        return jsonscan.decoded_bytes(value)
 
     def _route(self, request: Request) -> ModelRoute:
         try:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from confluent_kafka import KafkaException
 
+from kinference.consumer.budget import ByteBudget
 from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.endpoints import Endpoints, EndpointSettings
@@ -33,7 +34,7 @@ from kinference.consumer.lag import LagMonitor
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.models import Models
 from kinference.consumer.publisher import Publisher, PublishSettings
-from kinference.consumer.request import RequestDecoder
+from kinference.consumer.request import Request, RequestDecoder
 from kinference.consumer.share import ShareLedger, ShareSource
 from kinference.consumer.source import Source
 from kinference.consumer.topic_metadata import ExistingTopics
@@ -167,15 +168,21 @@ class Service:
             checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, config.commit_interval_ms / 1000)
         self.publisher = publisher = Publisher(producer_config, checkpoint, PublishSettings.of(config), self.metrics,
                                                tracing=self.tracing)
-        router = self.models.build(publisher.submit, self.metrics, self.tracing)
+        budget = ByteBudget(config.max_in_flight_bytes)
+
+        def finished(requests: list[Request]) -> None:
+            budget.release(requests)  # the stages are done with them: their decoded values go
+            publisher.submit(requests)
+
+        router = self.models.build(finished, self.metrics, self.tracing)
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
                                  router=router, reply_topic_exists=self._existing_topics(config))
+        intake = Intake(decoder, self.tracker, self.models, self.tracing, budget)
         if isinstance(self.tracker, ShareLedger):  # a share group has no offsets: no lag to measure
-            self.source = ShareSource(config, Intake(decoder, self.tracker, self.models, self.tracing), self.metrics)
+            self.source = ShareSource(config, intake, self.metrics)
             return publisher, self.source
-        self.source = source = Source(config, Intake(decoder, self.tracker, self.models, self.tracing), checkpoint,
-                                      self.metrics)
+        self.source = source = Source(config, intake, checkpoint, self.metrics)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: source.rebalance.partitions, self.metrics,
                               config.lag_interval_s)
