@@ -26,6 +26,7 @@ from confluent_kafka.admin import AdminClient
 from kinference import protocol
 from kinference.consumer.service import Service
 from kinference.protocol import ErrorCode
+from tests.conftest import BROKER_KIND, TestBroker
 from tests.faults.harness import Group
 from tests.faults.poison_handlers import Poison
 from tests.integration.kafka_io import headers_of, produce, read, service_config
@@ -352,6 +353,27 @@ def test_an_allowed_reply_topic_that_does_not_exist_is_answered_at_once_and_neve
     existing = AdminClient({"bootstrap.servers": broker.bootstrap_servers}).list_topics(timeout=10).topics
     assert not set(missing.values()) & set(existing), "kinference must not have created the topics"
     assert read(broker.bootstrap_servers, topics["dead"], 1, timeout_s=_NONE_S) == []
+
+
+def test_on_a_broker_that_auto_creates_topics_requests_create_none():
+    """Issue 29, item 7, on Apache Kafka as it ships (``auto.create.topics.enable=true``; the suite's own broker has
+    it off): 55 requests naming allowed topics that did not exist made 55 topics, through the producer's metadata
+    requests. Each gets reply_topic_not_found now, and no topic is made."""
+    if BROKER_KIND != "kafka":
+        pytest.skip("starts an Apache Kafka broker that auto-creates topics: KINFERENCE_TEST_BROKER=kafka")
+    from kinference.consumer.apache_kafka import ApacheKafkaBroker
+
+    with ApacheKafkaBroker(properties={"auto.create.topics.enable": "true"}) as kafka:
+        auto = TestBroker(kafka.bootstrap_servers, "kafka")
+        topics = auto.topics(requests=1, replies=1, dead=1)
+        missing = {f"to-{i}".encode(): f"missing-{uuid.uuid4().hex[:10]}" for i in range(5)}
+        with serving(auto, topics, Poison(), reply_topics_allowed=["missing-*"]) as service:
+            produce(auto.bootstrap_servers, topics["requests"],
+                    [(key, _json({"n": 1}), [(protocol.REPLY_TO, topic.encode())]) for key, topic in missing.items()])
+            replies = by_key(collect(service, auto.bootstrap_servers, topics["replies"], len(missing), timeout_s=30))
+        existing = AdminClient({"bootstrap.servers": auto.bootstrap_servers}).list_topics(timeout=10).topics
+    assert {key: code_of(reply) for key, reply in replies.items()} == dict.fromkeys(missing, "reply_topic_not_found")
+    assert not set(missing.values()) & set(existing), "a request made a topic"
 
 
 def test_a_reply_topic_outside_the_allow_list_gets_an_error_reply_on_the_default_topic(broker):
