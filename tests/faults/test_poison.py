@@ -26,7 +26,7 @@ from confluent_kafka.admin import AdminClient
 from kinference import protocol
 from kinference.consumer.service import Service
 from kinference.protocol import ErrorCode
-from tests.conftest import BROKER_KIND, TestBroker
+from tests import conftest
 from tests.faults.harness import Group
 from tests.faults.poison_handlers import Poison
 from tests.integration.kafka_io import headers_of, produce, read, service_config
@@ -359,12 +359,12 @@ def test_on_a_broker_that_auto_creates_topics_requests_create_none():
     """Issue 29, item 7, on Apache Kafka as it ships (``auto.create.topics.enable=true``; the suite's own broker has
     it off): 55 requests naming allowed topics that did not exist made 55 topics, through the producer's metadata
     requests. Each gets reply_topic_not_found now, and no topic is made."""
-    if BROKER_KIND != "kafka":
+    if conftest.BROKER_KIND != "kafka":
         pytest.skip("starts an Apache Kafka broker that auto-creates topics: KINFERENCE_TEST_BROKER=kafka")
     from kinference.consumer.apache_kafka import ApacheKafkaBroker
 
     with ApacheKafkaBroker(properties={"auto.create.topics.enable": "true"}) as kafka:
-        auto = TestBroker(kafka.bootstrap_servers, "kafka")
+        auto = conftest.TestBroker(kafka.bootstrap_servers, "kafka")
         topics = auto.topics(requests=1, replies=1, dead=1)
         missing = {f"to-{i}".encode(): f"missing-{uuid.uuid4().hex[:10]}" for i in range(5)}
         with serving(auto, topics, Poison(), reply_topics_allowed=["missing-*"]) as service:
