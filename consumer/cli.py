@@ -260,7 +260,7 @@ def _run_workers(args: argparse.Namespace, config: ServiceConfig, plan: Plan) ->
     ``--workers 1``. Exit 0 after a clean stop, 1 when a process kept dying."""
     from prometheus_client import CollectorRegistry
 
-    from kinference.consumer.endpoints import Endpoints
+    from kinference.consumer.endpoints import Endpoints, EndpointSettings
     from kinference.consumer.supervisor import Member, Supervisor, member_argv
 
     # Each model's settings with its handler's own (a TorchServe archive's), checked here: a bad one fails once,
@@ -289,7 +289,7 @@ def _run_workers(args: argparse.Namespace, config: ServiceConfig, plan: Plan) ->
         if config.metrics:
             registry = CollectorRegistry(auto_describe=False)
             registry.register(supervisor)  # type: ignore[arg-type]  # a collector: it has collect()
-            endpoints = Endpoints(config.metrics_host, config.metrics_port, registry, supervisor.health_checks,
+            endpoints = Endpoints(EndpointSettings.of(config), registry, supervisor.health_checks,
                                   supervisor.readiness_checks, supervisor.problems).start()
             stack.callback(endpoints.close)
         log.info("supervising %s workers and %d device processes",

@@ -46,6 +46,9 @@ _PRODUCER_DEFAULTS = {
     "acks": "all",
     "linger.ms": "2",
     "compression.type": "lz4",
+    # A reply is produced only to a topic that exists (topic_metadata), and the producer's metadata requests must
+    # never create one either: librdkafka's producer default is true.
+    "allow.auto.create.topics": "false",
 }
 # The classic group protocol's assignor: incremental, so a rebalance moves only the partitions that change
 # owner and the others keep being served. KIP-848's protocol (group.protocol=consumer) assigns on the broker
@@ -56,6 +59,9 @@ _PINNED_CONSUMER = {"enable.auto.commit": "false", "enable.auto.offset.store": "
 # Producer properties whose weaker values would give up what the delivery modes promise.
 _PINNED_PRODUCER = {"acks": ("all", "-1"), "enable.idempotence": ("true",)}
 _LIBRDKAFKA_DELIVERY_TIMEOUT_MS = 300_000
+INTERNAL_TOPICS = ("__", "_schemas", "_confluent")
+"""Name prefixes of the topics that Kafka (``__consumer_offsets``, ``__transaction_state``...), Schema Registry
+(``_schemas``) and Confluent's components (``_confluent-...``) keep their own state in: never a reply topic."""
 # Properties that first-class options set: a pass-through copy would silently win over the option.
 _OWNED_PROPERTIES = {
     "bootstrap.servers": "bootstrap_servers",
@@ -335,6 +341,11 @@ class ServiceConfig(BaseModel):
     max_in_flight: int = Field(
         2048, ge=1, description="Requests consumed but not yet committed; above it partitions pause."
     )
+    max_in_flight_bytes: int = Field(
+        536_870_912, ge=1, description="Bytes that requests consumed and not yet answered may hold once decoded (a "
+        "JSON value takes 2-40x its size in Python objects, estimated from its bytes); above it partitions pause, "
+        "at half they resume. Beside --max-in-flight: whichever is reached first.",
+    )
     resume_in_flight: int | None = Field(
         None, ge=0, description="Resume paused partitions at or below this (default: max_in_flight / 2)."
     )
@@ -349,7 +360,8 @@ class ServiceConfig(BaseModel):
     )
     reply_topics_allowed: list[str] = Field(
         [], description="Reply topics a request may name besides --reply-topic: names or shell-style patterns "
-        "(replies-*), comma-separated. The request and dead-letter topics are never allowed.",
+        "(replies-*), comma-separated. The request and dead-letter topics and internal topics (__*, _schemas, "
+        "_confluent*) are never allowed; an allowed topic that does not exist gets reply_topic_not_found.",
     )
     commit_interval_ms: int = Field(1000, ge=10, description="How often acknowledged offsets are committed.")
     rebalance_drain_ms: int = Field(
@@ -431,9 +443,21 @@ class ServiceConfig(BaseModel):
         "text", description="text, or json: one object per line with topic/partition/offset/correlation_id."
     )
     metrics: bool = Field(True, description="Serve /metrics, /healthz and /readyz (--no-metrics: off).")
-    metrics_host: str = Field("0.0.0.0", description="Bind address of /metrics, /healthz and /readyz.")
+    metrics_host: str = Field(
+        "0.0.0.0", description="Bind address of /metrics, /healthz and /readyz: every interface, for Prometheus and "
+        "Kubernetes probes from outside the pod; 127.0.0.1 where only the host itself may read them (see "
+        "docs/security.md#the-metrics-and-health-endpoint).",
+    )
     metrics_port: int = Field(
         9400, ge=0, le=65535, description="Port of /metrics, /healthz and /readyz (0: any free port)."
+    )
+    metrics_max_connections: int = Field(
+        64, ge=1, le=10_000, description="Most connections the /metrics, /healthz and /readyz server holds open; "
+        "past it the oldest idle one is closed.",
+    )
+    metrics_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="The /metrics, /healthz and /readyz server closes a connection that sends "
+        "no request within this, and bounds each read and write of a request by it.",
     )
     tracing: bool = Field(
         False, description="Record an OpenTelemetry span per request, exported as the OTEL_* environment variables "
@@ -559,6 +583,9 @@ class ServiceConfig(BaseModel):
             if producer.get(key, allowed[0]).lower() not in allowed:
                 raise ValueError(f"{key} must stay {allowed[0]}: without it a reply can be lost or written twice "
                                  "by the producer's own retries")
+        if producer["allow.auto.create.topics"].lower() != "false":
+            raise ValueError("allow.auto.create.topics must stay false: a request's reply-to header would otherwise "
+                             "create topics on a broker that allows it")
         for option in ("kafka", "kafka_consumer", "kafka_producer"):
             for key in getattr(self, option).keys() & _OWNED_PROPERTIES.keys():
                 field = _OWNED_PROPERTIES[key]
@@ -732,10 +759,11 @@ class ServiceConfig(BaseModel):
     def reply_topic_allowed(self, topic: str) -> bool:
         """Whether a request may have its reply written to ``topic``: the default reply topic, or a name or
         pattern of ``reply_topics_allowed``; never a request topic or the dead-letter topic (the service
-        would feed itself, or forge dead letters)."""
+        would feed itself, or forge dead letters), nor an internal topic (``INTERNAL_TOPICS``), whatever the
+        patterns say."""
         if topic == self.reply_topic:
             return True
-        if topic in self.request_topics or topic == self.dead_letter_topic:
+        if topic in self.request_topics or topic == self.dead_letter_topic or topic.startswith(INTERNAL_TOPICS):
             return False
         return any(fnmatch.fnmatchcase(topic, pattern) for pattern in self.reply_topics_allowed)
 

@@ -1,8 +1,9 @@
-"""Flow control: at most ``max_in_flight`` requests consumed and not yet answered (committed, in exactly-once).
+"""Flow control: at most ``max_in_flight`` requests consumed and not yet answered (committed, in exactly-once), and
+at most ``max_in_flight_bytes`` of what they hold decoded (``budget.ByteBudget``).
 
-Above it every assigned partition pauses; at ``resume_in_flight`` they resume. The poll thread keeps polling
-while paused, so the member never leaves the group, and memory stays bounded whatever the input rate.
-Draining (shutdown) pauses for good.
+Above either, every assigned partition pauses; they resume at ``resume_in_flight`` requests and half the byte
+budget. The poll thread keeps polling while paused, so the member never leaves the group, and memory stays bounded
+whatever the input rate. Draining (shutdown) pauses for good.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ from typing import Any
 
 from confluent_kafka import TopicPartition
 
+from kinference.consumer.budget import ByteBudget
 from kinference.consumer.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 
 class FlowControl:
-    def __init__(self, max_in_flight: int, resume_in_flight: int, metrics: Metrics) -> None:
+    def __init__(self, max_in_flight: int, resume_in_flight: int, metrics: Metrics,
+                 budget: ByteBudget | None = None) -> None:
+        """``budget``: the bytes in flight (by default, no bound on them)."""
         self._max = max_in_flight
         self._resume = resume_in_flight
+        self._budget = budget or ByteBudget.unbounded()
         self._metrics = metrics
         self.paused = False
         self.draining = False
@@ -28,13 +33,15 @@ class FlowControl:
     def update(self, consumer: Any, in_flight: int) -> None:
         """Called by the poll thread after each poll."""
         self._metrics.in_flight.set(in_flight)
-        if not self.paused and (self.draining or in_flight >= self._max):
+        held = self._budget.held
+        self._metrics.in_flight_bytes.set(held)
+        if not self.paused and (self.draining or in_flight >= self._max or held >= self._budget.max_bytes):
             assignment = consumer.assignment()
             consumer.pause(assignment)
             self.paused = True
             self._metrics.paused_partitions.set(len(assignment))
-            log.debug("paused: %d in flight", in_flight)
-        elif self.paused and not self.draining and in_flight <= self._resume:
+            log.debug("paused: %d in flight, %d bytes", in_flight, held)
+        elif self.paused and not self.draining and in_flight <= self._resume and held <= self._budget.max_bytes // 2:
             assignment = consumer.assignment()
             consumer.resume(assignment)
             # librdkafka notices a resume only at its next fetch-loop wake-up (about 1 s later); a seek to the

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from kinference.consumer.budget import ByteBudget
 from kinference.consumer.logs import about
 from kinference.consumer.request import Request, RequestDecoder
 from kinference.consumer.types import PartitionKey
@@ -56,16 +57,20 @@ class Intake(Generic[TrackerT]):
     ``tracker`` it commits from, and ``discard`` on revoke."""
 
     def __init__(self, decoder: RequestDecoder, tracker: TrackerT, models: Downstream,
-                 tracing: Tracing | None = None) -> None:
-        """``tracing``, when on, starts each request's span."""
+                 tracing: Tracing | None = None, budget: ByteBudget | None = None) -> None:
+        """``tracing``, when on, starts each request's span. ``budget`` is charged what each request holds decoded
+        (``budget.ByteBudget``; by default one without a bound)."""
         self.tracker = tracker
+        self.budget = budget or ByteBudget.unbounded()
         self._decoder = decoder
         self._models = models
         self._tracing = tracing
 
     def discard(self, partitions: list[PartitionKey]) -> list[Request]:
         """The requests of revoked partitions that no model has started on, taken back."""
-        return self._models.discard(partitions)
+        discarded = self._models.discard(partitions)
+        self.budget.release(discarded)
+        return discarded
 
     def take(self, records: list[Any], on_error: Callable[[Any], None]) -> None:
         """Take in one fetch's records; ``on_error`` gets each consume error the fetch carried."""
@@ -84,6 +89,7 @@ class Intake(Generic[TrackerT]):
             request = self._decoder.decode(record, received)  # never raises: a bad record is a request with an error
             request.ledger = ledger
             requests.append(request)
+        self.budget.charge(requests)
         if self._tracing is not None:
             self._tracing.received(requests)
         self._models.admit([request for request in requests if request.ok])

@@ -59,6 +59,8 @@ class Metrics:
                                          registry=r)
         self.in_flight = Gauge("kinference_in_flight", "Requests consumed and not yet answered.", registry=r,
                                multiprocess_mode="livesum")
+        self.in_flight_bytes = Gauge("kinference_in_flight_bytes", "What requests in flight hold decoded, as "
+                                     "--max-in-flight-bytes counts it.", registry=r, multiprocess_mode="livesum")
         self.paused_partitions = Gauge("kinference_paused_partitions", "Assigned partitions paused by "
                                        "backpressure or shutdown.", registry=r, multiprocess_mode="livesum")
         self.assigned_partitions = Gauge("kinference_assigned_partitions", "Partitions assigned to this member.",

@@ -35,11 +35,13 @@ import binascii
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import orjson
 
+from kinference.consumer import jsonscan
 from kinference.errors import RequestError
 from kinference.protocol import MODEL, MODEL_VERSION, ErrorCode, PayloadFormat
 
@@ -112,7 +114,7 @@ def decode(value: bytes | None, key: bytes | None, headers: dict[str, bytes | No
         raise RequestError(f"model {model.name!r} version {version!r} is not served here (version "
                            f"{model.version!r} is)", ErrorCode.MODEL_NOT_FOUND)
     try:
-        body = orjson.loads(value or b"")
+        body = jsonscan.loads(value or b"")
     except orjson.JSONDecodeError as exc:
         raise RequestError(f"the value is not an OIP InferenceRequest (not JSON: {exc})",
                            ErrorCode.BAD_REQUEST) from exc
@@ -148,11 +150,14 @@ def request_id(key: bytes | None, body: dict[str, Any], fallback: str) -> str:
 
 
 def _check_elements(flat: list[Any], datatype: str, where: str) -> None:
-    """Every element is of the input's datatype: strings for BYTES, booleans for BOOL, numbers otherwise."""
+    """Every element is of the input's datatype: strings for BYTES, booleans for BOOL, numbers otherwise. The
+    element types are collected at C speed (``set(map(type, ...))``): a Python step per element cost ~0.5 s for
+    a 960 KB input in the poll thread."""
+    types = set(map(type, flat))
     if datatype == "BYTES":
-        if not all(isinstance(v, str) for v in flat):
+        if not types <= {str}:
             raise RequestError(f"{where}: BYTES data must be strings", ErrorCode.BAD_REQUEST)
-    elif not all(isinstance(v, int | float) and (datatype == "BOOL") == isinstance(v, bool) for v in flat):
+    elif not (types <= {bool} if datatype == "BOOL" else types <= {int, float}):
         raise RequestError(f"{where}: {datatype} data must be {'booleans' if datatype == 'BOOL' else 'numbers'}",
                            ErrorCode.BAD_REQUEST)
 
@@ -185,7 +190,13 @@ def _input(item: Any, request_bytes: int) -> tuple[str, Any, bytes | None]:
         raise RequestError(f"{where}: shape {shape} holds {math.prod(shape)} elements, data has {len(flat)}",
                            ErrorCode.BAD_REQUEST)
     _check_elements(flat, datatype, where)
-    value = flat[0] if len(flat) == 1 else np.asarray(flat, dtype=object).reshape(shape[1:]).tolist()
+    if len(flat) == 1:
+        value = flat[0]
+    elif flat is not data:  # nested as the shape says already: the item is the batch dimension's one entry
+        value = data[0]
+    else:
+        with jsonscan.collector_paused():  # as many lists as the shape says, each a tracked object
+            value = np.asarray(flat, dtype=object).reshape(shape[1:]).tolist()
     raw = None
     if datatype == "BYTES" and len(flat) == 1:
         raw = _base64(flat[0], where) if parameters.get("content_type") == "base64" else flat[0].encode("utf-8")
@@ -204,24 +215,27 @@ def _parameters(holder: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _flatten(data: Any, shape: list[int], where: str) -> list[Any]:
     """The elements of ``data`` in row-major order: ``data`` is flat, or nested exactly as ``shape`` says (every
-    list at depth d holds ``shape[d]`` items; ragged data is refused). Iterative, and no deeper than the shape."""
+    list at depth d holds ``shape[d]`` items; ragged data is refused). Iterative, no deeper than the shape, and
+    the elements of each list are looked at in C (``set(map(type, ...))``), not one Python step each."""
     if not isinstance(data, list):
         raise RequestError('"data" must be a list (flat, or nested row-major)', ErrorCode.BAD_REQUEST)
-    if not any(isinstance(element, list) for element in data):
+    if list not in set(map(type, data)):
         return data
     flat: list[Any] = []
-    pending = [(data, 0)]
-    while pending:
-        part, depth = pending.pop()
+    level = [data]
+    for depth, size in enumerate(shape):
         last = depth == len(shape) - 1
-        if (not isinstance(part, list) or len(part) != shape[depth]
-                or any(isinstance(element, list) != (not last) for element in part)):
+        types = set(map(type, level))
+        if types != {list} or set(map(len, level)) != {size}:
             raise RequestError(f'{where}: nested "data" must match the shape {shape} (not ragged)',
                                ErrorCode.BAD_REQUEST)
         if last:
-            flat.extend(part)
+            flat = list(chain.from_iterable(level))
+            if list in set(map(type, flat)):
+                raise RequestError(f'{where}: nested "data" must match the shape {shape} (not ragged)',
+                                   ErrorCode.BAD_REQUEST)
         else:
-            pending.extend((element, depth + 1) for element in reversed(part))
+            level = list(chain.from_iterable(level))
     return flat
 
 

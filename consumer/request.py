@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
 
-from kinference.consumer import oip
+from kinference.consumer import jsonscan, oip
 from kinference.consumer.types import Headers, ReplyFormat, Trace
 from kinference.errors import RequestError
 from kinference.handlers.base import Record
@@ -38,6 +38,9 @@ if TYPE_CHECKING:  # the Schema Registry client is an optional extra: imported o
     from kinference.consumer.serdes import SchemaRegistryFormat
 
 _LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_BINARY_DECODED = 40
+"""What an Avro or Protobuf record holds decoded, per byte, at most: a one-byte varint becomes an int and its slot
+(36 bytes)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -87,6 +90,8 @@ class Request:
     """The request's span (``consumer.tracing.RequestTrace``); None when tracing is off."""
     model: ModelRoute | None = None
     """The model that serves it (``consumer.router``); None until routed, and for a record no model serves."""
+    held_bytes: int = 0
+    """About the memory its value holds, raw and decoded (``budget.ByteBudget`` counts it while in flight)."""
 
     @property
     def ok(self) -> bool:
@@ -122,6 +127,9 @@ class RequestDecoder:
     max_header_bytes: int = 16_384
     reply_topic_allowed: Callable[[str], bool] = _any_topic
     """Whether a request may name this reply topic (``config.ServiceConfig.reply_topic_allowed``)."""
+    reply_topic_exists: Callable[[str], bool] = _any_topic
+    """Whether an allowed reply topic exists (``topic_metadata.ExistingTopics``): a reply is never produced to a
+    topic that does not, which would wait out its delivery timeout, or create the topic."""
     model: oip.ServedModel | None = None
     """The served model, for Open Inference Protocol requests; None: kinference's own JSON only."""
     schemas: SchemaRegistryFormat | None = None
@@ -182,7 +190,18 @@ class RequestDecoder:
         if self.schemas is not None:
             # Whatever failed: every reply on the topic is in its format, written for the topic read from the headers.
             request.reply_format = self.schemas.reply(request.reply_topic)
+        request.held_bytes = self._held_bytes(request)
         return request
+
+    def _held_bytes(self, request: Request) -> int:
+        """About what the request's value holds once decoded, raw bytes included: computed from the bytes at C speed
+        (``jsonscan.decoded_bytes`` for JSON), never by walking the decoded value."""
+        value = request.value or b""
+        if request.payload is None or isinstance(request.payload, bytes | Record):
+            return len(value)  # not decoded, or handed over as the bytes themselves
+        if self.schemas is not None and self.schemas.value_format != "jsonschema":
+            return _BINARY_DECODED * len(value)
+        return jsonscan.decoded_bytes(value)
 
     def _route(self, request: Request) -> ModelRoute:
         try:
@@ -210,6 +229,13 @@ class RequestDecoder:
                 problems.append(refusal)
             else:
                 request.fail(RequestError(refusal, ErrorCode.REPLY_TOPIC_NOT_ALLOWED))
+        elif request.reply_topic != self.default_reply_topic and not self.reply_topic_exists(request.reply_topic):
+            asked, request.reply_topic, request.reply_partition = request.reply_topic, self.default_reply_topic, None
+            missing = f"reply topic {asked!r} does not exist; the reply goes to {self.default_reply_topic!r}"
+            if problems:
+                problems.append(missing)
+            else:
+                request.fail(RequestError(missing, ErrorCode.REPLY_TOPIC_NOT_FOUND))
         if problems:
             # Routing headers were read as far as possible first, so the error reply still finds its caller.
             raise RequestError("; ".join(problems), ErrorCode.BAD_REQUEST)
@@ -247,27 +273,13 @@ class RequestDecoder:
         if not value:
             raise RequestError("request value is empty; expected a JSON document", ErrorCode.BAD_REQUEST)
         try:
-            document = orjson.loads(value)
+            document = jsonscan.loads(value)
         except orjson.JSONDecodeError as exc:
             raise RequestError(f"request value is not valid JSON: {exc}", ErrorCode.BAD_REQUEST) from exc
-        # Fewer brackets than the limit cannot nest deeper (a count at C speed); else walk the document.
-        if value.count(b"[") + value.count(b"{") > MAX_JSON_DEPTH and not nested_within(document, MAX_JSON_DEPTH):
+        if not jsonscan.nested_within(value, MAX_JSON_DEPTH):
             raise RequestError(f"request value nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
                                ErrorCode.BAD_REQUEST)
         return document
-
-
-def nested_within(document: Any, limit: int) -> bool:
-    """Whether ``document`` (parsed JSON) nests lists and dicts at most ``limit`` levels deep. Iterative, and it stops
-    at the first container past the limit: the work is at most one visit per container."""
-    pending = [(document, 1)] if isinstance(document, dict | list) else []
-    while pending:
-        value, depth = pending.pop()
-        if depth > limit:
-            return False
-        children = value.values() if isinstance(value, dict) else value
-        pending.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return True
 
 
 def _read_routing(request: Request) -> list[str]:

@@ -18,24 +18,27 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from confluent_kafka import KafkaException
 
+from kinference.consumer.budget import ByteBudget
 from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.device_link import DeviceLink
-from kinference.consumer.endpoints import Endpoints
+from kinference.consumer.endpoints import Endpoints, EndpointSettings
 from kinference.consumer.intake import Intake
 from kinference.consumer.lag import LagMonitor
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.models import Models
 from kinference.consumer.publisher import Publisher, PublishSettings
-from kinference.consumer.request import RequestDecoder
+from kinference.consumer.request import Request, RequestDecoder
 from kinference.consumer.share import ShareLedger, ShareSource, set_share_group_start
 from kinference.consumer.source import Source
+from kinference.consumer.topic_metadata import ExistingTopics
 from kinference.consumer.transactions import MemberSlot, TransactionCheckpoint
 from kinference.errors import ConfigError
 from kinference.handlers import Handler
@@ -113,8 +116,8 @@ class Service:
         config = self.config
         if config.metrics:
             # Up before the model loads, so probes see "alive, not ready" during a slow start.
-            self.endpoints = Endpoints(config.metrics_host, config.metrics_port, self.metrics.registry,
-                                       self.health_checks, self.readiness_checks).start()
+            self.endpoints = Endpoints(EndpointSettings.of(config), self.metrics.registry, self.health_checks,
+                                       self.readiness_checks).start()
         try:
             return self._start(config)
         except BaseException:
@@ -175,19 +178,33 @@ class Service:
             checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, config.commit_interval_ms / 1000)
         self.publisher = publisher = Publisher(producer_config, checkpoint, PublishSettings.of(config), self.metrics,
                                                tracing=self.tracing)
-        router = self.models.build(publisher.submit, self.metrics, self.tracing)
+        budget = ByteBudget(config.max_in_flight_bytes)
+
+        def finished(requests: list[Request]) -> None:
+            budget.release(requests)  # the stages are done with them: their decoded values go
+            publisher.submit(requests)
+
+        router = self.models.build(finished, self.metrics, self.tracing)
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
-                                 router=router, max_key_bytes=config.max_key_bytes)
+                                 router=router, max_key_bytes=config.max_key_bytes,
+                                 reply_topic_exists=self._existing_topics(config))
+        intake = Intake(decoder, self.tracker, self.models, self.tracing, budget)
         if isinstance(self.tracker, ShareLedger):  # a share group has no offsets: no lag to measure
-            self.source = ShareSource(config, Intake(decoder, self.tracker, self.models, self.tracing), self.metrics)
+            self.source = ShareSource(config, intake, self.metrics)
             return publisher, self.source
-        self.source = source = Source(config, Intake(decoder, self.tracker, self.models, self.tracing), checkpoint,
-                                      self.metrics)
+        self.source = source = Source(config, intake, checkpoint, self.metrics)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: source.rebalance.partitions, self.metrics,
                               config.lag_interval_s)
         return publisher, source
+
+    @staticmethod
+    def _existing_topics(config: ServiceConfig) -> Callable[[str], bool]:
+        """Whether a reply topic a request names exists: asked of the cluster only when requests may name one."""
+        if not config.reply_topics_allowed:
+            return lambda _topic: True  # the default reply topic is the only one: nothing else gets this far
+        return ExistingTopics.of({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()})
 
     @property
     def handler(self) -> Handler:

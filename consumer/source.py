@@ -125,7 +125,8 @@ class Source:
         self._tracker = intake.tracker
         self._committer = committer
         self.errors = ConsumerErrors(metrics, "consumer")
-        self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics)
+        self._budget = intake.budget
+        self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics, intake.budget)
         self.rebalance = Rebalance(config, intake, self._flow, committer.commit, metrics)
         callbacks: dict[str, Any] = {"error_cb": self.errors.on_client, "stats_cb": self._on_stats}
         if hasattr(committer, "on_commit"):
@@ -193,7 +194,7 @@ class Source:
         """Whatever is ready, up to ``max_poll_records``, without waiting for a full set: ``consume(n, t)``
         holds until n records or t seconds, which would add t to every request at low load. So: take
         what is queued; if nothing is, wait for one record and then take what came with it."""
-        limit = self._config.max_poll_records
+        limit = self._budget.records_allowed(self._config.max_poll_records)
         records = self._consumer.consume(limit, 0)
         if records:
             return records

@@ -109,6 +109,9 @@ class ErrorCode(StrEnum):
     REPLY_TOPIC_NOT_ALLOWED = "reply_topic_not_allowed"
     """The request named a reply topic outside the service's allow-list; the error reply goes to the default
     reply topic instead."""
+    REPLY_TOPIC_NOT_FOUND = "reply_topic_not_found"
+    """The request named an allowed reply topic that does not exist (kinference never creates one); the error reply
+    goes to the default reply topic instead, at once."""
     MODEL_NOT_FOUND = "model_not_found"
     """The request names a model (``kinference-model``/``kinference-model-version``, or MLServer's
     ``mlserver-model``/``mlserver-version`` headers) this service does not serve."""

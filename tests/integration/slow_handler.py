@@ -23,3 +23,13 @@ class RejectNull(EchoHandler):
         if payload is None:
             raise InvalidInput("null is not a request")
         return payload
+
+
+class SlowLength(EchoHandler):
+    """Each request's JSON length, 300 ms per batch: large requests wait in flight, and the replies stay small."""
+
+    name = "slow-length"
+
+    def inference(self, inputs):
+        time.sleep(0.3)
+        return [len(item) if isinstance(item, list | dict | str) else 0 for item in inputs]

@@ -52,6 +52,24 @@ def test_reply_topic_allow_list():
     assert not ServiceConfig().reply_topic_allowed("anything-else")
 
 
+def test_internal_topics_are_never_reply_topics_whatever_the_patterns():
+    """Issue 29, item 7: a pattern such as ``*`` admitted ``__consumer_offsets``, ``__transaction_state`` and
+    ``_schemas``."""
+    config = load_config({"reply_topics_allowed": "*,__consumer_offsets"}, environ={})
+    for internal in ("__consumer_offsets", "__transaction_state", "__share_group_state", "_schemas",
+                     "_confluent-command", "_confluent_balancer_api_state"):
+        assert not config.reply_topic_allowed(internal), internal
+    assert config.reply_topic_allowed("my_replies") and config.reply_topic_allowed("replies-1")
+
+
+def test_the_producer_never_auto_creates_topics():
+    """Issue 29, item 7: librdkafka's producer asks the broker to create a topic it looks up (its default); a
+    reply-to header must never create one."""
+    assert ServiceConfig().producer_config()["allow.auto.create.topics"] == "false"
+    with pytest.raises(ConfigError, match=r"allow\.auto\.create\.topics must stay false"):
+        load_config({"kafka_producer": ["allow.auto.create.topics=true"]}, environ={})
+
+
 def test_precedence_cli_over_env_over_yaml(tmp_path):
     yaml_file = tmp_path / "kinference.yaml"
     yaml_file.write_text("max_batch_size: 8\nmax-batch-delay-ms: 7\ngroup_id: from-yaml\n"

@@ -21,6 +21,7 @@ from kinference.consumer.request import RequestDecoder
 from kinference.errors import RequestError
 from kinference.protocol import CORRELATION_ID, ErrorCode
 from tests.fakes import FakeRecord
+from tests.timing import cost_ratio
 
 MODEL = oip.ServedModel("minilm", "2")
 MLSERVER_HEADERS = [(oip.MODEL_HEADER, b"minilm")]
@@ -206,3 +207,31 @@ def test_nested_data_matching_the_shape_is_read_row_major():
     body = orjson.dumps({"inputs": [{"name": "t", "shape": [1, 2, 2], "datatype": "INT64",
                                      "data": [[[1, 2], [3, 4]]]}]})
     assert oip.decode(body, None, {}, MODEL, "json", "c")[0] == {"t": [[1, 2], [3, 4]]}
+
+
+def test_nested_data_deeper_or_shallower_than_the_shape_is_ragged():
+    for data in ([[[1, 2], [3, [4]]]], [[[1, 2], 3]], [[1, 2, 3, 4]]):
+        body = orjson.dumps({"inputs": [{"name": "t", "shape": [1, 2, 2], "datatype": "INT64", "data": data}]})
+        with pytest.raises(RequestError, match="not ragged"):
+            oip.decode(body, None, {}, MODEL, "json", "c")
+
+
+def test_a_wide_input_costs_about_what_a_normal_value_of_its_size_costs():
+    """Issue 29, item 4: OIP's reading of ``data`` took Python steps per element and per inner list, and made the
+    nested lists again (the garbage collector running over and over while it did). A ``[[[1],[1],...]]`` input
+    of shape [1, n, 1] now costs within a small factor of a JSON list of short strings of the same size."""
+    size = 480_000
+    decoder = RequestDecoder("replies", max_request_bytes=size + 1000, model=MODEL)
+    normal = b"[" + b",".join([b'"ab"'] * (size // 5)) + b"]"
+    count = size // 4
+    wide = orjson.dumps({"inputs": [{"name": "t", "shape": [1, count, 1], "datatype": "INT64",
+                                     "data": [[[1]] * count]}]})
+    flat = orjson.dumps({"inputs": [{"name": "t", "shape": [1, count, 1], "datatype": "INT64",
+                                     "data": [1] * count}]})
+
+    for name, value in (("wide", wide), ("flat", flat)):
+        decoded = decoder.decode(FakeRecord(value, headers=MLSERVER_HEADERS))
+        assert decoded.ok, decoded.error
+        ratio = cost_ratio(lambda value=value: decoder.decode(FakeRecord(value, headers=MLSERVER_HEADERS)),
+                           lambda: decoder.decode(FakeRecord(normal)))
+        assert ratio < 15, f"a {len(value)}-byte {name} OIP input costs {ratio:.1f}x a normal value of {len(normal)}"

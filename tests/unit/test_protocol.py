@@ -2,13 +2,16 @@ import struct
 
 import orjson
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from kinference import protocol
-from kinference.consumer import answers
+from kinference.consumer import answers, jsonscan
 from kinference.consumer import request as requests
+from kinference.consumer.topic_metadata import ExistingTopics
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 from tests.fakes import FakeRecord
+from tests.timing import cost_ratio
 
 DECODER = requests.RequestDecoder("replies", max_request_bytes=100)
 
@@ -189,6 +192,51 @@ def test_a_reply_topic_outside_the_allow_list_gets_an_error_on_the_default_topic
     assert allowed.ok and allowed.reply_topic == "team-a"
 
 
+def test_an_allowed_reply_topic_that_does_not_exist_gets_an_error_at_once_on_the_default_topic():
+    """Issue 29, items 7 and 8: the reply was produced to the missing topic, which created it on a broker that
+    auto-creates, or waited out librdkafka's delivery timeout (~30 s) in flight."""
+    decoder = requests.RequestDecoder("replies", 100, reply_topic_allowed=lambda topic: topic.startswith("team-"),
+                                      reply_topic_exists=lambda topic: topic == "team-a")
+    missing = decoder.decode(FakeRecord(b"1", headers=[(protocol.REPLY_TO, b"team-b"),
+                                                       (protocol.SPRING_REPLY_PARTITION, struct.pack(">i", 2))]))
+    assert missing.error.code == ErrorCode.REPLY_TOPIC_NOT_FOUND and not missing.dead_letter
+    assert (missing.reply_topic, missing.reply_partition) == ("replies", None) and "team-b" in missing.error.message
+    assert decoder.decode(FakeRecord(b"1", headers=[(protocol.REPLY_TO, b"team-a")])).reply_topic == "team-a"
+    # The default reply topic is not looked up; a topic not allowed is refused before any lookup.
+    asked = []
+    decoder = requests.RequestDecoder("replies", 100, reply_topic_allowed=lambda topic: topic.startswith("team-"),
+                                      reply_topic_exists=lambda topic: asked.append(topic) or True)
+    decoder.decode(FakeRecord(b"1", headers=[(protocol.REPLY_TO, b"replies")]))
+    decoder.decode(FakeRecord(b"1", headers=[(protocol.REPLY_TO, b"elsewhere")]))
+    assert asked == []
+
+
+def test_existing_topics_are_listed_once_per_burst_of_misses_and_again_when_old():
+    now = [0.0]
+    listed = []
+    topics = {"team-a"}
+
+    def lister(timeout_s: float) -> set[str]:
+        listed.append(now[0])
+        return set(topics)
+
+    existing = ExistingTopics(lister, miss_refresh_s=1.0, max_age_s=30.0, clock=lambda: now[0])
+    assert existing("team-a") and listed == [0.0]
+    assert not any(existing("team-b") for _ in range(1000)) and listed == [0.0]  # one burst: one listing
+    topics.add("team-b")
+    now[0] = 1.5
+    assert existing("team-b") and listed == [0.0, 1.5]  # created since: found at the next miss
+    now[0] = 40.0
+    assert existing("team-a") and listed == [0.0, 1.5, 40.0]  # an old list is read again, hit or miss
+
+    def unreachable(timeout_s: float) -> set[str]:
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+
+    existing._lister = unreachable
+    now[0] = 80.0
+    assert existing("team-a") and not existing("team-c")  # the list read last stays in use
+
+
 def test_a_bad_record_asking_for_a_forbidden_topic_is_answered_on_the_default_topic():
     """Whatever else is wrong with a record, nothing is written to a topic outside the allow-list."""
     request = ALLOWING.decode(FakeRecord(b"{broken", headers=[(protocol.REPLY_TO, b"elsewhere"),
@@ -216,6 +264,34 @@ def test_a_request_nested_deeper_than_the_limit_is_a_bad_request_at_decode():
     assert decoder.decode(FakeRecord(b"[" + b",".join([b"[[1]]"] * 100) + b"]")).ok
 
 
-def test_nested_within_counts_lists_and_objects():
-    assert requests.nested_within(1, 0) and requests.nested_within([], 1) and not requests.nested_within([], 0)
-    assert requests.nested_within({"a": [{"b": []}]}, 4) and not requests.nested_within({"a": [{"b": []}]}, 3)
+def test_nesting_is_read_from_the_bytes_and_brackets_in_strings_do_not_count():
+    assert jsonscan.nested_within(b"1", 0) and jsonscan.nested_within(b"[]", 1) and not jsonscan.nested_within(b"[]", 0)
+    assert jsonscan.nested_within(b'{"a": [{"b": []}]}', 4) and not jsonscan.nested_within(b'{"a": [{"b": []}]}', 3)
+    text = b'"' + b"[{" * 50 + b'"'
+    assert jsonscan.nested_within(b'{"a": [' + text + b"]}", 2)
+    # Escaped quotes and backslashes do not end a string early: the brackets after them are still inside it.
+    for escaped in (rb'\"', rb"\\", rb"\\\"", rb"x\\"):
+        value = b'["' + escaped + b"[[[[" + b'"]'
+        assert orjson.loads(value) and jsonscan.nested_within(value, 1), value
+    # A string ending in an escaped backslash ends there: the brackets after it nest.
+    assert not jsonscan.nested_within(b'["a\\\\", [[[]]]]', 3)
+
+
+def test_a_wide_or_deep_value_costs_about_what_a_normal_value_of_its_size_costs():
+    """Issue 29, item 4: a 960 KB ``[[],[],...]`` cost ~1.9 s in the poll thread (the parse, with the garbage
+    collector running over and over, then a Python walk of 320,000 lists). The nesting is now read from the bytes
+    and the collector waits for the parse: the cost per byte stays within a small factor (5x wide, 8x deep: orjson's
+    own parse of nested lists) of a list of short strings (the densest ordinary value) of the same size; before,
+    32x wide. A ratio of runs taken in turns, not a time, so that a loaded machine does not fail it."""
+    size = 480_000
+    decoder = requests.RequestDecoder("replies", max_request_bytes=size + 100)
+    normal = b"[" + b",".join([b'"ab"'] * (size // 5)) + b"]"
+    wide = b"[" + b",".join([b"[]"] * (size // 3)) + b"]"
+    deep = b"[" + b",".join([b"[" * 60 + b"]" * 60] * (size // 121)) + b"]"
+    assert decoder.decode(FakeRecord(wide)).ok and decoder.decode(FakeRecord(deep)).ok
+    for name, value in (("wide", wide), ("deep", deep)):
+        ratio = cost_ratio(lambda value=value: decoder.decode(FakeRecord(value)),
+                           lambda: decoder.decode(FakeRecord(normal)))
+        assert ratio < 15, f"a {len(value)}-byte {name} value costs {ratio:.1f}x a normal one of {len(normal)} bytes"
+
+

@@ -19,6 +19,7 @@ from kinference.errors import ConfigError, RequestError
 from kinference.protocol import REPLY_TO, ErrorCode
 from tests.fakes import FakeRecord
 from tests.schemas import Producer
+from tests.timing import cost_ratio
 
 FORMATS = ["avro", "protobuf", "jsonschema"]
 
@@ -160,3 +161,24 @@ def test_an_unreachable_registry_is_not_the_requests_fault():
     client = SchemaRegistryClient({"url": "http://127.0.0.1:1", "max.retries": 0})
     request = decoder(SchemaRegistryFormat("avro", client)).decode(FakeRecord(b"\x00\x00\x00\x00\x07\x02hi"))
     assert request.dead_letter and request.error.code is ErrorCode.INTERNAL_ERROR
+
+
+def test_a_wide_json_schema_record_costs_about_what_a_normal_json_value_of_its_size_costs(registry):
+    """Issue 29, item 4: the JSON Schema deserializer validated each record against its writer's schema, a Python step
+    per element: a 957 KB ``{"a": [[],[],...]}`` took ~3 s of the poll thread. Its producer's serializer validated
+    it already; the poll thread now parses it as kinference's JSON is parsed."""
+    from confluent_kafka.schema_registry.json_schema import JSONSerializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    size = 480_000
+    schema = orjson.dumps({"$schema": "http://json-schema.org/draft-07/schema#", "title": "Wide", "type": "object",
+                           "properties": {"a": {"type": "array", "items": {"type": "array"}}}}).decode()
+    wide = JSONSerializer(schema, registry)({"a": [[]] * (size // 3)},
+                                            SerializationContext("requests", MessageField.VALUE))
+    normal = b"[" + b",".join([b'"ab"'] * (size // 5)) + b"]"
+    schemas = RequestDecoder("replies", size + 100, schemas=SchemaRegistryFormat("jsonschema", registry))
+    plain = RequestDecoder("replies", size + 100)
+
+    assert schemas.decode(FakeRecord(wide)).ok
+    ratio = cost_ratio(lambda: schemas.decode(FakeRecord(wide)), lambda: plain.decode(FakeRecord(normal)))
+    assert ratio < 15, f"a {len(wide)}-byte wide JSON Schema record costs {ratio:.1f}x a JSON value of its size"

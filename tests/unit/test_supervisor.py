@@ -16,7 +16,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kinference.consumer.endpoints import Endpoints
+from kinference.consumer.endpoints import Endpoints, EndpointSettings
 from kinference.consumer.supervisor import Member, Restarts, Supervisor
 from tests.fakes import wait_for
 
@@ -57,7 +57,7 @@ def test_health_names_the_unhealthy_worker_and_a_signal_reaches_every_worker(tmp
     try:
         assert wait_for(lambda: "starting" not in str(supervisor.problems()), timeout_s=10)
         assert supervisor.health_checks() == {"worker 0": True, "worker 1": False}
-        endpoints = Endpoints("127.0.0.1", 0, CollectorRegistry(), supervisor.health_checks,
+        endpoints = Endpoints(EndpointSettings("127.0.0.1", 0), CollectorRegistry(), supervisor.health_checks,
                               supervisor.readiness_checks, supervisor.problems).start()
         try:
             with pytest.raises(urllib.error.HTTPError) as answered:

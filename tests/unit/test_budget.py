@@ -1,0 +1,107 @@
+"""The in-flight byte budget (issue 29, item 5): requests are counted by what they hold decoded, and the partitions
+pause on bytes as they do on the count."""
+
+from __future__ import annotations
+
+import orjson
+
+from kinference.consumer import jsonscan
+from kinference.consumer.budget import ByteBudget
+from kinference.consumer.flow import FlowControl
+from kinference.consumer.metrics import Metrics
+from kinference.consumer.request import RequestDecoder
+from tests.fakes import FakeRecord
+
+DECODER = RequestDecoder("replies", max_request_bytes=1_000_000, payload_format="json")
+
+
+def strings_value(size: int) -> bytes:
+    """The issue's shape: an array of two-character strings (959 KB held ~14 MB decoded)."""
+    return b"[" + b",".join([b'"ab"'] * (size // 5)) + b"]"
+
+
+def test_a_request_is_charged_what_its_value_holds_decoded_not_its_size():
+    small = DECODER.decode(FakeRecord(b'{"text": "hello"}'))
+    wide = DECODER.decode(FakeRecord(strings_value(959_000)))
+    assert small.held_bytes < 500
+    # Decoded it holds ~12x its bytes as Python objects: the charge is at least that, and not wildly more.
+    assert 12 * 959_000 <= wide.held_bytes <= 25 * 959_000
+    raw = RequestDecoder("replies", 1_000_000, payload_format="bytes").decode(FakeRecord(strings_value(959_000)))
+    assert raw.held_bytes == len(raw.value)  # a bytes handler gets the value itself
+    unreadable = DECODER.decode(FakeRecord(b"[not json"))
+    assert unreadable.held_bytes == len(b"[not json")
+
+
+def test_the_estimate_is_never_below_what_a_value_holds(monkeypatch):
+    import tracemalloc
+
+    for value in (strings_value(100_000), b"[" + b",".join([b"[]"] * 30_000) + b"]",
+                  orjson.dumps([{"a": 1.5, "b": "x"}] * 3000), orjson.dumps({"t": "h\u00e9llo \U0001f600" * 5000}),
+                  orjson.dumps({f"k{i}": [i] for i in range(5000)})):
+        tracemalloc.start()
+        decoded = orjson.loads(value)
+        held = tracemalloc.get_traced_memory()[0] + len(value)
+        tracemalloc.stop()
+        del decoded
+        assert held <= jsonscan.decoded_bytes(value) <= 5 * held, value[:40]
+
+
+def test_charge_and_release_count_each_request_once_and_let_its_payload_go():
+    budget = ByteBudget(max_bytes=10_000_000)
+    requests = [DECODER.decode(FakeRecord(strings_value(100_000))) for _ in range(3)]
+    budget.charge(requests)
+    assert budget.held == sum(request.held_bytes for request in requests) > 3 * 1_000_000
+    budget.release(requests[:1])
+    budget.release(requests[:1])  # again: nothing more
+    assert budget.held == requests[1].held_bytes + requests[2].held_bytes
+    assert requests[0].payload is None and requests[1].payload is not None
+    budget.release(requests)
+    assert budget.held == 0
+
+
+def test_a_poll_takes_fewer_records_as_the_budget_fills_and_always_one():
+    budget = ByteBudget(max_bytes=20_000_000)
+    assert budget.records_allowed(500) == 1  # nothing seen yet: one record tells what records hold
+    budget.charge([DECODER.decode(FakeRecord(b'{"text": "hi"}'))])
+    assert budget.records_allowed(500) == 500
+    requests = [DECODER.decode(FakeRecord(strings_value(100_000))) for _ in range(4)]
+    budget.charge(requests)  # larger records: planned for at once
+    assert budget.records_allowed(500) == (20_000_000 - budget.held) // requests[0].held_bytes == 5
+    budget.charge([DECODER.decode(FakeRecord(strings_value(959_000))) for _ in range(2)])
+    assert budget.held > budget.max_bytes and budget.records_allowed(500) == 1
+
+
+class Consumer:
+    def __init__(self) -> None:
+        self.paused = self.resumed = 0
+
+    def assignment(self) -> list:
+        return []
+
+    def pause(self, _partitions) -> None:
+        self.paused += 1
+
+    def resume(self, _partitions) -> None:
+        self.resumed += 1
+
+    def position(self, partitions) -> list:
+        return partitions
+
+
+def test_partitions_pause_on_bytes_below_the_count_and_resume_at_half():
+    requests = [DECODER.decode(FakeRecord(strings_value(959_000))) for _ in range(3)]  # ~14 MB each decoded
+    budget = ByteBudget(max_bytes=int(2.2 * requests[0].held_bytes))
+    flow = FlowControl(max_in_flight=2048, resume_in_flight=1024, metrics=Metrics(), budget=budget)
+    consumer = Consumer()
+    budget.charge(requests[:1])
+    flow.update(consumer, in_flight=1)
+    assert not flow.paused
+    budget.charge(requests[1:])
+    flow.update(consumer, in_flight=3)  # 3 of 2048 requests, but over the bytes
+    assert flow.paused and consumer.paused == 1
+    budget.release(requests[:1])
+    flow.update(consumer, in_flight=2)
+    assert flow.paused  # above half the budget still
+    budget.release(requests[1:2])
+    flow.update(consumer, in_flight=1)
+    assert not flow.paused and consumer.resumed == 1
