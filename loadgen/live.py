@@ -10,8 +10,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 _WINDOW_S = 3.0
-LINE_WIDTH = 74
-"""The progress line's width with five-digit counts: it fits the 76 columns where the demo's line was cut."""
+LINE_WIDTH = 75
+"""The progress line's width with five-digit counts and a p99 of seconds: within the 76 columns where the demo's
+line was cut."""
 
 
 class LiveStats:
@@ -55,7 +56,7 @@ class ProgressView:
             TextColumn("[bold]{task.description:<7}"),
             BarColumn(bar_width=6),
             TextColumn("sent {task.fields[sent]:>5} replies {task.fields[answered]:>5} lost {task.fields[lost]:>2} "
-                       "{task.fields[rps]:>4.0f}/s p99 {task.fields[p99]:>5}ms"),
+                       "{task.fields[rps]:>4.0f}/s p99 {task.fields[p99]:>6}ms"),
             TimeElapsedColumn(),
             console=console,
             disable=not enabled,

@@ -173,9 +173,10 @@ def wheelhouse() -> Path:
             return directory
         shutil.rmtree(directory, ignore_errors=True)
         requirements = [torch, *image_requirements(), build_backend()]
+        # Every manylinux the base's glibc (Debian bookworm: 2.36) runs.
+        platforms = [arg for minor in range(17, 37) for arg in ("--platform", f"manylinux_2_{minor}_x86_64")]
         run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(directory), "--only-binary", ":all:",
-             "--python-version", python, "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
-             "--platform", "linux_x86_64", "--implementation", "cp", *requirements], cwd=ROOT)
+             "--python-version", python, "--implementation", "cp", *platforms, *requirements], cwd=ROOT)
         (directory / ".complete").touch()
     return directory
 
@@ -212,7 +213,7 @@ def serve_wheels(directory: Path) -> Iterator[str]:
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args) -> None:  # the wheel requests: not worth a line each
         pass
 
 

@@ -11,7 +11,6 @@ import shlex
 import shutil
 import subprocess
 import tomllib
-import uuid
 from pathlib import Path
 from typing import Any
 
