@@ -173,8 +173,10 @@ def wheelhouse() -> Path:
             return directory
         shutil.rmtree(directory, ignore_errors=True)
         requirements = [torch, *image_requirements(), build_backend()]
-        # Every manylinux the base's glibc (Debian bookworm: 2.36) runs.
-        platforms = [arg for minor in range(17, 37) for arg in ("--platform", f"manylinux_2_{minor}_x86_64")]
+        # Every manylinux the base's glibc (Debian bookworm: 2.36) runs, by its new and its old names.
+        tags = [*(f"manylinux_2_{minor}_x86_64" for minor in range(5, 37)), "manylinux2014_x86_64",
+                "manylinux2010_x86_64", "manylinux1_x86_64"]
+        platforms = [arg for tag in tags for arg in ("--platform", tag)]
         run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(directory), "--only-binary", ":all:",
              "--python-version", python, "--implementation", "cp", *platforms, *requirements], cwd=ROOT)
         (directory / ".complete").touch()

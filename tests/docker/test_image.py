@@ -23,7 +23,7 @@ REQUESTS = 100
 
 def loadgen(bootstrap: str, requests: str, replies: str, out: Path) -> dict:
     """``kinference loadgen`` from this venv: REQUESTS requests, 4 in flight; its JSON report."""
-    command = [sys.executable, "-m", "kinference.cli", "loadgen", "--bootstrap-servers", bootstrap,
+    command = [sys.executable, "-m", "kinference", "loadgen", "--bootstrap-servers", bootstrap,
                "--request-topic", requests, "--reply-topic", replies, "--requests", str(REQUESTS),
                "--concurrency", "4", "--warmup", "0", "--timeout", "30", "--no-progress", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
