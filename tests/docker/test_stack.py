@@ -13,6 +13,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import urllib.parse
 import urllib.request
 import uuid
@@ -63,6 +64,13 @@ class Stack:
         return found
 
 
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with compose's merge tags (``!reset``): read as the value they carry."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: loader.construct_sequence(node))
+
+
 def compose_yaml() -> dict:
     return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
 
@@ -96,6 +104,8 @@ def stack(kinference_image, kafka_image, prometheus_image, kafka_jars, tmp_path)
     try:
         yield stack
     finally:
+        logs = stack.compose("logs", "--no-color", "--tail", "40", timeout=120)  # shown when the test fails
+        print(logs.stdout[-12000:], logs.stderr[-2000:])
         down = stack.compose("--profile", "load", "down", "--volumes", "--remove-orphans", "--timeout", "45")
         print(down.stdout[-2000:], down.stderr[-2000:])
         if not models_existed and models.is_dir() and not any(models.iterdir()):
@@ -118,8 +128,6 @@ def prometheus_query(stack: Stack, query: str) -> dict:
 
 
 def wait_for(condition, timeout_s: float, what: str):
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not (result := condition()):
         assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f} s"
@@ -129,7 +137,7 @@ def wait_for(condition, timeout_s: float, what: str):
 
 def test_the_override_keeps_the_stack_but_images_networks_and_ports():
     """What the stack test changes, and no more: the override's Prometheus command is compose's plus a port."""
-    override = yaml.safe_load(OVERRIDE.read_text())["services"]
+    override = yaml.load(OVERRIDE.read_text(), Loader=ComposeLoader)["services"]
     services = compose_yaml()["services"]
     assert set(override) <= set(services) - {"grafana", "kinference-gpu"}
     command = override["prometheus"]["command"]
@@ -155,9 +163,11 @@ def test_the_stack_answers_requests_and_prometheus_scrapes_kinference(stack, tmp
         f"http://127.0.0.1:{stack.prometheus_port}/api/v1/targets"))["data"]["activeTargets"]
         if target["labels"]["job"] == "kinference" and target["health"] == "up"], 60, "kinference's target up")
     assert targets[0]["scrapeUrl"] == f"http://127.0.0.1:{stack.metrics_port}/metrics"
-    answered = wait_for(lambda: prometheus_query(stack, 'sum(kinference_requests_total{outcome="ok"})')["result"],
-                        60, "Prometheus has kinference_requests_total")
-    assert float(answered[0]["value"][1]) >= REQUESTS
+    def counted() -> float:
+        samples = prometheus_query(stack, 'kinference_requests_total{outcome="ok"}')["result"]
+        return sum(float(sample["value"][1]) for sample in samples)
+
+    wait_for(lambda: counted() >= REQUESTS, 60, f"Prometheus counts {REQUESTS} ok requests")
 
     check_grafana_files_against_the_stack(stack)
 
