@@ -63,7 +63,12 @@ install_compose() {
 
 install_packages || { say "docker.io or debootstrap could not be installed: the docker tests will skip"; exit 0; }
 start_engine || { say "no Docker engine: the docker tests will skip"; exit 0; }
-install_compose || say "Compose v2 could not be built: the stack test will skip"
-# The images, built while the rest of the suite runs (make install first: the builder needs the venv).
-make install >/dev/null
+# Compose (CPU: the Go compiler) beside the images (mostly downloads and disk), each logged as it goes.
+install_compose >"$CACHE/compose-build.log" 2>&1 &
+compose=$!
+make install >/dev/null  # the image builder runs in the venv
+SECONDS=0
 .venv/bin/python -m tests.docker.images || say "the images could not be built now: the docker tests try again"
+say "images ready in $SECONDS s"
+wait "$compose" || { tail -20 "$CACHE/compose-build.log" >&2; say "Compose v2 could not be built: the stack test will skip"; }
+say "Compose: $(docker compose version 2>&1 | head -1)"
