@@ -233,7 +233,16 @@ def kinference_image() -> str:
             run(["docker", "build", "--network", "host", "--file", str(ROOT / "deploy" / "Dockerfile"), "--tag", tag,
                  "--build-arg", f"BASE_IMAGE={base}", "--build-arg", "TORCH_INDEX_URL=",
                  "--build-arg", "PIP_NO_INDEX=1", "--build-arg", f"PIP_FIND_LINKS={url}", str(ROOT)])
+        _remove_other_tags(tag)
     return tag
+
+
+def _remove_other_tags(tag: str) -> None:
+    """The images of earlier sources (GBs each): the layers the new one shares stay."""
+    repository = tag.split(":")[0]
+    listed = run(["docker", "image", "ls", repository, "--format", "{{.Repository}}:{{.Tag}}"], timeout=60)
+    for old in set(listed.stdout.split()) - {tag}:
+        subprocess.run(["docker", "image", "rm", old], capture_output=True, timeout=300, check=False)
 
 
 def kafka_tools_jar() -> Path:

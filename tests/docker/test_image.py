@@ -16,7 +16,8 @@ from kinference.consumer.broker import free_port
 from kinference.consumer.topics import create_topics
 from tests.docker.conftest import wait_healthy
 
-pytestmark = [pytest.mark.docker, pytest.mark.integration, pytest.mark.slow]
+# The images are built in the first test's fixtures when they are not there yet (minutes: images.py).
+pytestmark = [pytest.mark.docker, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 REQUESTS = 100
 

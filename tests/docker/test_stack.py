@@ -28,7 +28,8 @@ from kinference.consumer.broker import free_port
 from tests.docker import images
 from tests.docker.conftest import wait_healthy
 
-pytestmark = [pytest.mark.docker, pytest.mark.integration, pytest.mark.slow]
+# The images are built in the first test's fixtures when they are not there yet (minutes: images.py).
+pytestmark = [pytest.mark.docker, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 DEPLOY = images.ROOT / "deploy"
 OVERRIDE = Path(__file__).with_name("compose.override.yml")
