@@ -272,6 +272,7 @@ def kafka_image() -> str:
             shutil.copytree(jars, Path(build) / "libs", ignore=shutil.ignore_patterns(".*"))
             shutil.copy(tools, Path(build) / "libs")
             run(["docker", "build", "--network", "host", "--tag", tag, "--build-arg", f"BASE_IMAGE={base}", build])
+        _remove_other_tags(tag)
     return tag
 
 
@@ -285,6 +286,7 @@ def prometheus_image() -> str:
         if not _image_exists(tag):
             run(["docker", "build", "--network", "host", "--tag", tag, "--build-arg", f"BASE_IMAGE={base}",
                  str(context)])
+            _remove_other_tags(tag)
     return tag
 
 
