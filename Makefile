@@ -31,7 +31,7 @@ TORCH_SOURCE = $(if $(TORCH_INDEX_URL),$(if $(shell $(PYTHON) -c 'import sys, ur
 	urllib.request.urlopen(sys.argv[1], timeout=15)' '$(TORCH_INDEX_URL)/' >/dev/null 2>&1 && echo up),\
 	--index-url $(TORCH_INDEX_URL),$(warning $(TORCH_INDEX_URL) cannot be reached; torch comes from pip's own configuration)))
 
-.PHONY: install demo test test-tansu test-kafka test-lowest lint clean
+.PHONY: install demo test test-tansu test-kafka test-docker test-lowest lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -48,18 +48,25 @@ install: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/kinference demo
 
-# The whole suite on the embedded Tansu broker, then KAFKA_TESTS on Apache Kafka.
-test: test-tansu test-kafka
+# The whole suite on the embedded Tansu broker, then KAFKA_TESTS on Apache Kafka, then the image and the compose stack.
+test: test-tansu test-kafka test-docker
 
 # The packaging test installs torch into a fresh venv as `install` does: KINFERENCE_TEST_TORCH tells it how.
 test-tansu: $(STAMP)
 	HF_HUB_OFFLINE=1 KINFERENCE_TEST_TORCH='$(strip $(TORCH_SOURCE) $(TORCH_SPEC))' \
-		KINFERENCE_TEST_MLSERVER=$(MLSERVER_TYPES) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+		KINFERENCE_TEST_MLSERVER=$(MLSERVER_TYPES) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not docker" \
+		$(PYTEST_ARGS)
 
 # Without a JDK and Maven these tests skip, each saying why.
 test-kafka: $(STAMP)
 	HF_HUB_OFFLINE=1 KINFERENCE_TEST_BROKER=kafka $(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) \
 		$(KAFKA_TESTS)
+
+# deploy/'s image and compose stack built and run for real (tests/docker), in one process: the builds are heavy and
+# each is made once, then reused. They need a Docker engine and Compose v2 (.ci/docker.sh sets both up on Debian), a
+# JDK and Maven (Kafka's jars), else they skip, saying why.
+test-docker: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 0 $(PYTEST_ARGS) tests/docker
 
 # The unit tests on the lowest version of every dependency that pyproject.toml allows (their own venv).
 test-lowest:

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     topics.set_defaults(run=run_topics)
 
     health = commands.add_parser(
-        "healthcheck", help="probe /healthz of a running serve; exit 0 when healthy",
+        "healthcheck", help="probe /healthz (or /readyz) of a running serve; exit 0 when it answers 200",
         description="GET /healthz of a running `kinference serve` and exit 0 if it answers 200. Without --url, "
         "the address comes from that process's own flags, environment and --config (read from /proc), so "
         "the container health check follows whatever port the service was given.")
@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--pid", type=int, default=1, help="the serve process (default: %(default)s, the "
                         "container's main process)")
     health.add_argument("--timeout", type=float, default=4.0, help="seconds (default: %(default)s)")
+    health.add_argument("--ready", action="store_true", help="probe /readyz instead (serving: model warmed, in the "
+                        "group), on the same derived address: compose's readiness check")
     health.set_defaults(run=run_healthcheck)
 
     broker = commands.add_parser("broker", help="run the embedded Tansu broker for local development")
@@ -332,7 +334,7 @@ def run_topics(args: argparse.Namespace) -> int:
 
 
 def run_healthcheck(args: argparse.Namespace) -> int:
-    url = args.url or _healthz_url_of(args.pid)
+    url = args.url or f"{_endpoints_of(args.pid)}/{'readyz' if args.ready else 'healthz'}"
     try:
         with urllib.request.urlopen(url, timeout=args.timeout) as response:
             print(response.read().decode().strip())
@@ -344,9 +346,9 @@ def run_healthcheck(args: argparse.Namespace) -> int:
     return 1
 
 
-def _healthz_url_of(pid: int) -> str:
-    """The /healthz URL of the ``kinference serve`` running as ``pid``: its flags, environment and config
-    file, merged as ``serve`` merges them."""
+def _endpoints_of(pid: int) -> str:
+    """Where the ``kinference serve`` running as ``pid`` serves /healthz and /readyz (``http://host:port``): its
+    flags, environment and config file, merged as ``serve`` merges them."""
     proc = Path(f"/proc/{pid}")
     try:
         argv = [arg.decode() for arg in (proc / "cmdline").read_bytes().split(b"\0") if arg]
@@ -363,7 +365,7 @@ def _healthz_url_of(pid: int) -> str:
     if not config.metrics:
         raise KinferenceError(f"process {pid} serves no /healthz (metrics are off)")
     host = "127.0.0.1" if config.metrics_host in ("0.0.0.0", "", "::") else config.metrics_host
-    return f"http://{host}:{config.metrics_port}/healthz"
+    return f"http://{host}:{config.metrics_port}"
 
 
 def run_broker(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogFormatter
 
 from kinference.loadgen.report import Sample, percentiles
 
@@ -48,6 +49,12 @@ def plot_sweep(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: Pat
                title: str = "kinference concurrency sweep") -> Path:
     """Throughput and p50/p99 latency against concurrency; one line (one colour) per sweep, so
     several configurations (``label``, ``runs`` of a sweep report) compare on one figure."""
+    return _save(sweep_figure(series, title), path)
+
+
+def sweep_figure(series: Sequence[tuple[str, Sequence[dict[str, Any]]]],
+                 title: str = "kinference concurrency sweep") -> Figure:
+    """``plot_sweep``'s figure."""
     figure = Figure(figsize=(12, 4.5), layout="constrained")
     throughput, latency = figure.subplots(1, 2)
     for index, (label, runs) in enumerate(series):
@@ -60,6 +67,10 @@ def plot_sweep(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: Pat
                          color=color, label=f"{label} {key}")
     concurrencies = sorted({run["concurrency"] for _, runs in series for run in runs if run.get("concurrency")})
     latency.set_yscale("log")  # queueing makes latency span orders of magnitude across a sweep
+    # Milliseconds as plain numbers (600, not 6x10^2): a sweep within one decade shows only minor ticks, which the
+    # log scale's own formatter writes in scientific notation. Which ticks get a label stays the log scale's choice.
+    latency.yaxis.set_major_formatter(LogFormatter())
+    latency.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
     for axes, ylabel, name in ((throughput, "replies / s", "Throughput"),
                                (latency, "latency (ms)", "Latency p50 (dashed) and p99")):
         axes.set_xscale("log", base=2)
@@ -68,7 +79,7 @@ def plot_sweep(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], path: Pat
         axes.grid(alpha=0.3, which="both")
         axes.legend()
     figure.suptitle(title)
-    return _save(figure, path)
+    return figure
 
 
 def _save(figure: Figure, path: Path) -> Path:

@@ -193,6 +193,10 @@ def test_healthcheck_follows_the_port_the_service_was_given(broker, unique_id):
         healthy = kinference("healthcheck", "--pid", str(serve.process.pid))
         assert healthy.returncode == 0, healthy.stderr
         assert orjson.loads(healthy.stdout)["ok"] is True
+        # --ready: /readyz on the same derived address (compose's readiness check); the member has its partitions.
+        ready = kinference("healthcheck", "--ready", "--pid", str(serve.process.pid))
+        assert ready.returncode == 0, ready.stderr
+        assert "group_joined" in ready.stdout
         assert serve.terminate_and_wait() == 0, serve.log
     finally:
         serve.kill()

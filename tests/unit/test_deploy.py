@@ -11,7 +11,6 @@ import shlex
 import shutil
 import subprocess
 import tomllib
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -241,8 +240,8 @@ def test_compose_kinference_services_configure_a_valid_service():
         config = serve_config([str(arg) for arg in service.get("command", [])], compose_environment(service))
         assert config.topics() == list(created.topic_partitions()), name
         assert config.kafka == created.kafka and config.bootstrap_servers == created.bootstrap_servers
-        port = str(config.metrics_port)
-        assert f"127.0.0.1:{port}/readyz" in " ".join(service["healthcheck"]["test"]), name
+        # Readiness on whatever port the service was given: a URL written here would miss KINFERENCE_METRICS_PORT.
+        assert service["healthcheck"]["test"] == ["CMD", "kinference", "healthcheck", "--ready"], name
     assert created.dead_letter_partitions == OPTIONS["dead_letter_partitions"].default
     assert created.replication_factor == 1  # one broker
     assert services["kinference-gpu"]["environment"]["KINFERENCE_DEVICE"] == "cuda"
@@ -596,47 +595,3 @@ def test_dockerignore_keeps_what_the_image_copies():
             for source in value.split()[:-1]:
                 hits = [p for p in patterns if fnmatch.fnmatch(source, p) or fnmatch.fnmatch(source, p + "/*")]
                 assert not hits, f"{source} is copied but .dockerignore excludes it ({hits})"
-
-
-# --- the stack, where Docker can run it ----------------------------------------------------------------
-
-
-def _docker_engine() -> str | None:
-    """None when the engine and compose v2 answer, else why not."""
-    if shutil.which("docker") is None:
-        return "no docker CLI"
-    for command in (["docker", "info"], ["docker", "compose", "version"]):
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=30)
-        except subprocess.TimeoutExpired:
-            return f"`{' '.join(command)}` did not answer in 30 s"
-        if result.returncode != 0:
-            return f"`{' '.join(command)}` failed: {(result.stderr or result.stdout).strip()[:200]}"
-    return None
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_compose_stack_smoke():
-    """Build the image, bring the stack up, send requests with the loadgen service, see them counted."""
-    reason = _docker_engine()
-    if reason:
-        pytest.skip(f"needs a working Docker engine with compose v2 to build and run deploy/: {reason}")
-    project = f"kinference-smoke-{uuid.uuid4().hex[:8]}"
-    base = ["docker", "compose", "-f", str(DEPLOY / "docker-compose.yml"), "-p", project]
-
-    def run(*args: str, timeout: int) -> subprocess.CompletedProcess:
-        return subprocess.run([*base, *args], capture_output=True, text=True, timeout=timeout)
-
-    try:
-        up = run("up", "-d", "--build", "--wait", "--wait-timeout", "600", "kinference", timeout=1800)
-        assert up.returncode == 0, up.stderr[-3000:]
-        load = run("--profile", "load", "run", "--rm", "loadgen", "--requests", "100", "--concurrency", "4",
-                   "--warmup", "0", "--no-progress", timeout=300)
-        assert load.returncode == 0, load.stdout[-3000:] + load.stderr[-3000:]
-        scrape = run("exec", "-T", "kinference", "python", "-c", "import urllib.request; print(urllib.request."
-                     "urlopen('http://127.0.0.1:9400/metrics', timeout=5).read().decode())", timeout=60)
-        ok = re.search(r'^kinference_requests_total\{[^}]*outcome="ok"[^}]*\} (\S+)', scrape.stdout, re.M)
-        assert ok and float(ok.group(1)) >= 100, scrape.stdout[-3000:]
-    finally:
-        run("--profile", "load", "down", "-v", "--remove-orphans", timeout=300)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import random
+import re
 
-from kinference.loadgen.plot import plot_run, plot_sweep
+from kinference.loadgen.plot import plot_run, plot_sweep, sweep_figure
 from kinference.loadgen.report import Sample, build_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -38,3 +39,16 @@ def test_sweep_plot_compares_several_sweeps(tmp_path):
 
     path = plot_sweep([("batch 32", sweep(2.0)), ("batch 1", sweep(1.0))], tmp_path / "sweep.png")
     assert path.read_bytes().startswith(PNG)
+
+
+def test_sweep_latency_axis_reads_plain_milliseconds():
+    """Latencies within one decade (500-700 ms) get only minor ticks on the log axis: they read 600, not 6x10^2."""
+    runs = [{**build_report(samples(10)), "concurrency": c, "latency_ms": {"p50": 500.0 + c, "p99": 640.0 + c}}
+            for c in (1, 8, 32)]
+    figure = sweep_figure([("one decade", runs)])
+    figure.canvas.draw()
+    latency = figure.axes[1]
+    labels = [label.get_text() for minor in (False, True) for label in latency.get_yticklabels(minor=minor)]
+    shown = [label for label in labels if label]
+    assert shown, "the latency axis has labelled ticks"
+    assert all(re.fullmatch(r"\d+(\.\d+)?", label) for label in shown), shown

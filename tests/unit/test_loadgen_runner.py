@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import time
 
 import orjson
@@ -12,7 +13,7 @@ from rich.console import Console
 
 from kinference import protocol
 from kinference.loadgen.errors import RequestTimeout
-from kinference.loadgen.live import LiveStats, ProgressView
+from kinference.loadgen.live import LINE_WIDTH, LiveStats, ProgressView
 from kinference.loadgen.pending import ClientStats
 from kinference.loadgen.reply import Reply
 from kinference.loadgen.runner import LoadPlan, run_load, run_sweep
@@ -127,3 +128,18 @@ def test_progress_view_renders_a_run():
         asyncio.run(run_load(FakeClient(), LoadPlan(concurrency=2, requests=30, warmup_s=0.3), [1], view, "c=2"))
     text = output.getvalue()
     assert "c=2" in text and "sent" in text
+
+
+def test_progress_line_fits_76_columns_with_its_elapsed_time():
+    """The demo's line was cut at 76 columns (`0:00:…`): with five-digit counts it must fit, the time included."""
+    output = io.StringIO()
+    live = LiveStats()
+    live.sent, live.answered, live.lost = 12345, 12300, 45
+    live.on_done(10.0, 1234.5)
+    with ProgressView(Console(file=output, width=76, force_terminal=True, color_system=None)) as view:
+        view.begin("warm-up", total=100)
+        view.update(live, now=10.0, completed=50)
+    lines = [line.rstrip() for line in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.getvalue()).splitlines()]
+    line = [line for line in lines if "sent" in line][-1]  # the last refresh
+    assert "…" not in line and re.search(r"\d:\d\d:\d\d$", line), line
+    assert len(line) <= LINE_WIDTH and "12345" in line and "1234.5ms" in line, line
