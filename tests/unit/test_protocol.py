@@ -1,3 +1,4 @@
+import ctypes
 import struct
 
 import orjson
@@ -193,3 +194,23 @@ def test_a_request_nested_deeper_than_the_limit_is_a_bad_request_at_decode():
 def test_nested_within_counts_lists_and_objects():
     assert requests.nested_within(1, 0) and requests.nested_within([], 1) and not requests.nested_within([], 0)
     assert requests.nested_within({"a": [{"b": []}]}, 4) and not requests.nested_within({"a": [{"b": []}]}, 3)
+
+
+def _with_a_null_slot(index: int) -> tuple:
+    """A 2-tuple with nothing in slot ``index``: what confluent-kafka leaves where a header name is not UTF-8."""
+    pythonapi = ctypes.pythonapi
+    pythonapi.PyTuple_New.restype, pythonapi.PyTuple_New.argtypes = ctypes.py_object, [ctypes.c_ssize_t]
+    broken = pythonapi.PyTuple_New(2)
+    item = b"x"
+    pythonapi.Py_IncRef(ctypes.py_object(item))  # the tuple's own reference
+    pointer = ctypes.sizeof(ctypes.c_void_p)
+    ctypes.c_void_p.from_address(id(broken) + tuple.__basicsize__ + (1 - index) * pointer).value = id(item)
+    return broken
+
+
+def test_headers_with_a_null_slot_are_found_without_reading_it():
+    assert requests._intact([("a", b"1"), ("b", None)]) and requests._intact([])
+    for index in (0, 1):
+        assert not requests._intact([("a", b"1"), _with_a_null_slot(index)])
+        assert not requests._intact([_with_a_null_slot(index), ("a", b"1")])
+    assert not requests._intact([("a",)]) and not requests._intact([["a", b"1"]])
