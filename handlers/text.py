@@ -11,7 +11,6 @@ only pads the token ids of a batch into tensors. How the batch then runs on the 
 from __future__ import annotations
 
 import copy
-import itertools
 from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,28 +237,20 @@ class TextHandler(Handler):
 
     def _collate(self, items: list[TextItem], rows: int, length: int) -> TextBatch:
         """Right-pad ``items`` into ``rows`` x ``length`` tensors; rows past the items are all padding."""
-        # Filled in numpy, then one torch.from_numpy per tensor (torch rows cost 40 us an item). The token ids of
-        # all the items go in with one masked assignment, in row order, instead of a slice assignment per item and
-        # tensor (issue 27: a third less).
-        lengths = np.fromiter((len(item.input_ids) for item in items), dtype=np.int64, count=len(items))
-        filled = np.zeros((rows, length), dtype=bool)
-        filled[: len(items)] = np.arange(length) < lengths[:, None]
-        arrays = {"input_ids": self._padded(filled, [item.input_ids for item in items], self.tokenizer.pad_token_id),
-                  "attention_mask": filled.astype(np.int64)}
+        # Filled in numpy, then one torch.from_numpy per tensor: about 5 us an item, against 40 for torch rows.
+        input_ids = np.full((rows, length), self.tokenizer.pad_token_id, dtype=np.int64)
+        attention_mask = np.zeros((rows, length), dtype=np.int64)
+        arrays = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self._token_types:
-            pad_type = self.tokenizer.pad_token_type_id
-            types = [[pad_type] * len(item.input_ids) if item.token_type_ids is None else item.token_type_ids
-                     for item in items]
-            arrays["token_type_ids"] = self._padded(filled, types, pad_type)
+            arrays["token_type_ids"] = np.full((rows, length), self.tokenizer.pad_token_type_id, dtype=np.int64)
+        for row, item in enumerate(items):
+            size = len(item.input_ids)
+            input_ids[row, :size] = item.input_ids
+            attention_mask[row, :size] = 1
+            if item.token_type_ids is not None:
+                arrays["token_type_ids"][row, :size] = item.token_type_ids
         tensors = {name: self.accelerator.host(torch.from_numpy(array)) for name, array in arrays.items()}
-        return TextBatch(tensors, real_rows=len(items), real_tokens=int(lengths.sum()))
-
-    @staticmethod
-    def _padded(filled: np.ndarray, rows: list[list[int]], pad: int) -> np.ndarray:
-        """``pad`` everywhere but where ``filled``, which takes ``rows`` one after the other."""
-        array = np.full(filled.shape, pad, dtype=np.int64)
-        array[filled] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(filled.sum()))
-        return array
+        return TextBatch(tensors, real_rows=len(items), real_tokens=sum(len(item.input_ids) for item in items))
 
     def warm_up(self) -> None:
         """Run one tiny batch; with shape buckets, one batch of every bucket shape (this compiles them all)."""
