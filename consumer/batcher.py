@@ -97,7 +97,10 @@ class Batcher:
         self._cond = threading.Condition()
         self._closed = False
 
-    def put(self, request: Request) -> None:
+    def put(self, request: Request, *, wake: bool = True) -> None:
+        """Let ``request`` wait for its batch. ``wake=False`` leaves waking a waiting ``next_batch`` to the caller's
+        ``wake()``, once for many requests: the intake puts a whole poll, then wakes the stages once, instead of
+        waking them to look at every request of a backlog (each a lock and a GIL hand-off)."""
         now = self._clock()
         error = self._rejection(request, now)
         if error is not None:
@@ -111,7 +114,8 @@ class Batcher:
             if self._grouped(entry):
                 bisect.insort(self._by_length, entry.key)
             self._count(entry, 1)
-            self._cond.notify()
+            if wake:
+                self._cond.notify()
 
     def observe(self, work: float, seconds: float) -> None:
         """A batch of ``work`` (padded tokens, or requests) took ``seconds`` of inference: learn from it."""
@@ -145,7 +149,8 @@ class Batcher:
             self.batching.max_batch_bytes is not None and self._waiting_bytes >= self.batching.max_batch_bytes)
 
     def wake(self) -> None:
-        """An inference thread is free: a waiting ``next_batch`` looks again."""
+        """An inference thread is free, or requests were put without waking: a waiting ``next_batch`` looks
+        again."""
         with self._cond:
             self._cond.notify_all()
 

@@ -45,6 +45,9 @@ class Downstream(Protocol):
     def route(self, request: Request) -> None:
         """Take a request on: to its model's batcher, or to an error reply."""
 
+    def wake(self) -> None:
+        """The fetch's requests are all routed: let the stages take them (one wake-up for the whole fetch)."""
+
     def answer_now(self, request: Request) -> None:
         """Answer a request at once (an error reply)."""
 
@@ -95,6 +98,7 @@ class Intake(Generic[TrackerT]):
         self._models.admit([request for request in requests if request.ok])
         for request in requests:
             self._take(request)
+        self._models.wake()
 
     def _take(self, request: Request) -> None:
         """Route one tracked request. Nothing it does may leave the loop: the requests after it in this fetch must

@@ -164,15 +164,21 @@ class Models:
             admit(self._by_name[name].handler, some)
 
     def route(self, request: Request) -> None:
-        """To its model's batcher; or, failed or refused, straight to its answer."""
+        """To its model's batcher, without waking its stages (``wake``); or, failed or refused, straight to its
+        answer."""
         if request.ok:
             model = self._by_name[request.model.name]  # type: ignore[union-attr]  # an ok request is routed
             refusal = model.saturation()
             if refusal is None:
-                model.batcher.put(request)
+                model.batcher.put(request, wake=False)  # ``wake`` after the poll's last request
                 return
             request.fail(refusal)
         self.answer_now(request)
+
+    def wake(self) -> None:
+        """The poll's requests are all routed: each model's stages look at what waits, once for all of them."""
+        for model in self.loaded:
+            model.batcher.wake()
 
     def answer_now(self, request: Request) -> None:
         """A request that will not be computed (bad record, expired deadline, refused) goes straight to its reply."""

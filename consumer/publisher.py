@@ -38,6 +38,17 @@ committed past, since producing the same records again would be refused again, o
 for a passing reason past ``delivery_retry_timeout_s`` is not the record's doing (the broker is away): then
 ``failure`` is set, ``/healthz`` fails and the service exits non-zero, so that the orchestrator restarts it, and the
 request, uncommitted, is served again.
+
+Every record has a delivery callback of its own, although confluent-kafka builds a ``Message`` (a copy of the
+value) and takes the GIL again for each report: the largest per-record cost of this thread (issue 27). A callback
+on the last record of each partition's run only, the earlier ones taken as delivered by the order, would not be
+safe. The idempotent producer keeps the order of what it writes, but it can still fail one record and write the
+ones after it: a record that timed out (``message.timeout.ms``) before it was sent, or a batch the broker refused
+for good (too large for the topic, invalid), after which librdkafka bumps the producer epoch and goes on. A record
+without a callback fails silently, and its offset would be committed with nothing answering it.
+``enable.gapless.guarantee`` (experimental) makes such a gap fatal, but not a timeout, and a fatal error without
+the failed record named would replace the producer over and over for one reply too large for its topic;
+``delivery.report.only.error`` reports no success at all.
 """
 
 from __future__ import annotations

@@ -532,14 +532,32 @@ def _reply_value(request: Request, result: Any) -> bytes:
     """The reply value of one result; ``RequestError`` when it cannot be one."""
     if isinstance(result, RequestError):
         raise result
+    encoded = _json_reply(result) if request.reply_format is None else None
+    # orjson writes NaN and infinity as null, so kinference's JSON without a null holds neither: the walk of the
+    # result (``finite``, a few microseconds for an embedding) is left for a value with a null in it, or one that did
+    # not encode (whose error is then the same as before: NaN first). orjson encodes nothing nested deeper than
+    # ``finite`` accepts, so an encoded value never skips its depth error either. Other reply formats write NaN as
+    # it is: always walked.
+    if encoded is not None and b"null" not in encoded:
+        return encoded
     if not finite(result):
         # JSON has no NaN or infinity (orjson would write null): a client must not mistake a broken output for a
         # value.
         raise RequestError("result holds NaN or infinity", ErrorCode.HANDLER_ERROR)
+    if encoded is not None:
+        return encoded
     try:
         return encode_result(result) if request.reply_format is None else request.reply_format.response(result)
     except TypeError as exc:
         raise RequestError(f"result is not JSON-serialisable: {exc}", ErrorCode.HANDLER_ERROR) from exc
+
+
+def _json_reply(result: Any) -> bytes | None:
+    """kinference's JSON reply value of ``result``; None when it does not encode (``_reply_value`` says why)."""
+    try:
+        return encode_result(result)
+    except TypeError:
+        return None
 
 
 def _untraced(_name: str, work: Callable[[MicroBatch], None]) -> Callable[[MicroBatch], None]:

@@ -72,6 +72,7 @@ class FakeModels:
     routed: list = field(default_factory=list)
     answered: list = field(default_factory=list)
     on_route: Callable[[Any], None] = lambda request: None
+    wakes: int = 0
 
     def admit(self, requests: list) -> None:
         self.admitted.extend(requests)
@@ -79,6 +80,9 @@ class FakeModels:
     def route(self, request: Any) -> None:
         self.on_route(request)
         self.routed.append(request)
+
+    def wake(self) -> None:
+        self.wakes += 1
 
     def answer_now(self, request: Any) -> None:
         self.answered.append(request)

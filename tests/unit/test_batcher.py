@@ -354,3 +354,28 @@ def test_while_only_full_batches_may_go_a_partial_one_waits_until_woken():
         batcher.put(make_request(received=time.monotonic()))
     busy.set()
     assert len(batcher.next_batch(0.0, busy.is_set)) == 4  # a full batch goes even so
+
+
+class CountingCondition(threading.Condition):
+    """A condition that counts its notifications (``notify_all`` notifies through ``notify``)."""
+
+    notified = 0
+
+    def notify(self, n: int = 1) -> None:
+        self.notified += 1
+        super().notify(n)
+
+
+def test_requests_put_without_waking_wake_the_stages_once_for_all_of_them():
+    """Issue 27: a backlog's poll put hundreds of requests, each waking the dispatcher to look (a lock and a GIL
+    hand-off each); the intake now puts a whole poll, then wakes once."""
+    batcher, _ = make_batcher("greedy", size=8, clock=time.monotonic)
+    batcher._cond = condition = CountingCondition()
+    for _ in range(3):
+        batcher.put(make_request(received=time.monotonic()), wake=False)
+    assert condition.notified == 0
+    batcher.wake()
+    assert condition.notified == 1
+    assert len(batcher.next_batch(0.1)) == 3
+    batcher.put(make_request(received=time.monotonic()))  # alone: wakes at once, as before
+    assert condition.notified == 2

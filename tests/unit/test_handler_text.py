@@ -196,6 +196,18 @@ def test_collation_equals_the_tokenizers_own_padded_batch(tiny_model: Path) -> N
     assert handler.token_counts(batch) == (int(expected["attention_mask"].sum()), 16 * 64)
 
 
+@pytest.mark.model
+def test_a_poll_tokenised_at_once_gives_the_items_of_each_text_tokenised_alone(tiny_model: Path) -> None:
+    # validate_many tokenises without character offsets (encode_batch_fast): the ids must not change with that.
+    handler = set_up(tiny_model, max_length=64)
+    texts = [*varied_texts(14, max_words=40), "a [SEP] inside", "Crème brûlée, naïve café", " ".join(["kafka"] * 100)]
+    payloads: list[Any] = [{"text": text} for text in texts]
+    payloads.insert(3, {"txt": "rejected alone"})
+    items = handler.validate_many(payloads)
+    assert isinstance(items.pop(3), InvalidInput)
+    assert items == [handler.validate({"text": text}) for text in texts]
+
+
 SHORT_AND_LONG = ["no", "fine I guess", " ".join(["stream"] * 20), "the cat sat on the mat " * 4]
 """2 texts in the 16-token bucket, 2 in the 32-token one."""
 

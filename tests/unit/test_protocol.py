@@ -1,3 +1,4 @@
+import ctypes
 import struct
 
 import orjson
@@ -295,3 +296,21 @@ def test_a_wide_or_deep_value_costs_about_what_a_normal_value_of_its_size_costs(
         assert ratio < 15, f"a {len(value)}-byte {name} value costs {ratio:.1f}x a normal one of {len(normal)} bytes"
 
 
+def _with_a_null_slot(index: int) -> tuple:
+    """A 2-tuple with nothing in slot ``index``: what confluent-kafka leaves where a header name is not UTF-8."""
+    pythonapi = ctypes.pythonapi
+    pythonapi.PyTuple_New.restype, pythonapi.PyTuple_New.argtypes = ctypes.py_object, [ctypes.c_ssize_t]
+    broken = pythonapi.PyTuple_New(2)
+    item = b"x"
+    pythonapi.Py_IncRef(ctypes.py_object(item))  # the tuple's own reference
+    pointer = ctypes.sizeof(ctypes.c_void_p)
+    ctypes.c_void_p.from_address(id(broken) + tuple.__basicsize__ + (1 - index) * pointer).value = id(item)
+    return broken
+
+
+def test_headers_with_a_null_slot_are_found_without_reading_it():
+    assert requests._intact([("a", b"1"), ("b", None)]) and requests._intact([])
+    for index in (0, 1):
+        assert not requests._intact([("a", b"1"), _with_a_null_slot(index)])
+        assert not requests._intact([_with_a_null_slot(index), ("a", b"1")])
+    assert not requests._intact([("a",)]) and not requests._intact([["a", b"1"]])

@@ -147,6 +147,16 @@ def test_every_record_of_a_batch_is_tracked_and_answered_whatever_one_of_them_do
     assert tracker.in_flight == 4  # all tracked: the commit cannot pass any of them unanswered
 
 
+def test_a_fetch_wakes_the_stages_once_after_routing_all_its_requests():
+    """Issue 27: each request woke its model's stages as it was routed; now the fetch's last one does, for all."""
+    tracker = OffsetTracker()
+    tracker.assign([("requests", 0)])
+    models = FakeModels(on_route=lambda request: None if models.wakes == 0 else pytest.fail("woken before routing"))
+    intake = Intake(RequestDecoder("replies", 1000), tracker, models)
+    intake.take([Record(b'"a"', offset=0), Record(b'"b"', offset=1), Record(b'"c"', offset=2)], print)
+    assert len(models.routed) == 3 and models.wakes == 1
+
+
 def test_offsets_the_consumer_passed_without_handing_a_record_over_are_committed_across():
     """Issue 29: a transaction's commit marker (or aborted records, or compaction) leaves offsets no record is handed
     over for; the old tracker took them for a lost record and stopped the partition's commits there for good."""
