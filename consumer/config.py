@@ -341,6 +341,17 @@ class ServiceConfig(BaseModel):
     max_poll_records: int = Field(500, ge=1, le=100_000, description="Most records taken per poll.")
     max_request_bytes: int = Field(960_000, ge=1, description="Larger request values get payload_too_large.")
     max_header_bytes: int = Field(16_384, ge=1, description="Larger request headers get payload_too_large.")
+    max_sequences_per_partition: int = Field(
+        16, ge=1, description="Generative models: the most requests of one partition generated at once (the engine's "
+        "own max_sequences bounds them all); the others wait, in order.",
+    )
+    stream_every_tokens: int = Field(
+        8, ge=1, description="Generative models, \"stream\": true: after the first chunk (sent at once), one "
+        "chat.completion.chunk record every this many tokens...",
+    )
+    stream_every_ms: float = Field(
+        100.0, gt=0, description="...or every this many milliseconds, whichever comes first.",
+    )
     max_queue_ms: float | None = Field(
         None, gt=0, description="Shed requests older than this (since written to Kafka) with overloaded "
         "(default: never shed).",

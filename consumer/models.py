@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.generations import Generations, GenerationSettings, StreamChunk
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.oip import ServedModel as OipModel
 from kinference.consumer.request import Request
@@ -29,6 +30,7 @@ from kinference.consumer.stages import ModelRun, Pipeline
 from kinference.consumer.types import PartitionKey
 from kinference.errors import ConfigError, RequestError
 from kinference.handlers import Handler, HandlerContext, load_handler
+from kinference.handlers.generative import GenerativeHandler
 from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 
 Answer = Callable[[list[Request]], None]
 """Hands finished requests on to be answered (``Publisher.submit``)."""
+Stream = Callable[[list[StreamChunk]], None]
+"""Hands stream chunks of generative requests on to be produced (``Publisher.stream``)."""
 
 
 @dataclass(eq=False)
@@ -48,8 +52,9 @@ class LoadedModel:
     """The service's settings with this model's own in place (``ServiceConfig.for_model``)."""
     handler: Handler
     route: ModelRoute
-    batcher: Batcher
-    pipeline: Pipeline
+    batcher: Batcher | Generations
+    pipeline: Pipeline | Generations
+    """A generative model's ``Generations`` is both: it takes requests one by one and runs its engine's events."""
     max_in_flight: int | None
     """With several models, the most requests this model may hold (waiting in its batcher or in its stages);
     None with one model, where flow control's pause is the only bound."""
@@ -101,13 +106,17 @@ class Models:
                                          max_batch_size=batching.micro_batch_size or batching.max_batch_size,
                                          registry=metrics.registry, host_dir=host_dir))
 
-    def build(self, answer: Answer, metrics: Metrics, tracing: Tracing | None) -> Router:
+    def build(self, answer: Answer, metrics: Metrics, tracing: Tracing | None, stream: Stream | None = None) -> Router:
         """Each model's route, batcher and stage threads (not started); returns the router over their routes.
-        ``answer`` takes the requests each model finishes, and those refused at once."""
+        ``answer`` takes the requests each model finishes, and those refused at once; ``stream`` the chunks of
+        generative models."""
         self._answer = answer
         share = max(1, self._config.max_in_flight // len(self.handlers)) if len(self.handlers) > 1 else None
         for settings, handler in self.handlers:
-            model = self._build(settings, handler, answer, metrics, tracing)
+            if isinstance(handler, GenerativeHandler):
+                model = self._build_generative(settings, handler, answer, stream, metrics)
+            else:
+                model = self._build(settings, handler, answer, metrics, tracing)
             model.max_in_flight = share
             self.loaded.append(model)
             self._by_name[model.name] = model
@@ -125,6 +134,17 @@ class Models:
         pipeline = Pipeline(ModelRun(name, handler, settings.batching), batcher, answer, metrics, tracing)
         route = ModelRoute(name, settings.model_version, handler.payload_format, served)
         return LoadedModel(settings, handler, route, batcher, pipeline, max_in_flight=None)
+
+    def _build_generative(self, settings: ServiceConfig, handler: GenerativeHandler, answer: Answer,
+                          stream: Stream | None, metrics: Metrics) -> LoadedModel:
+        """A generative model skips the batcher and the stages: its engine batches per decoding step."""
+        if stream is None:
+            raise ConfigError(f"{settings.handler} generates, and this service has nowhere to stream its chunks")
+        name = settings.model_name or handler.describe().get("model") or settings.handler
+        generations = Generations(name, handler, answer, stream,
+                                  GenerationSettings.of(settings, handler.max_sequences), metrics)
+        route = ModelRoute(name, settings.model_version, handler.payload_format, None)
+        return LoadedModel(settings, handler, route, generations, generations, max_in_flight=None)
 
     def start(self, metrics: Metrics) -> None:
         """Start every model's stage threads; returns once their inference threads warmed the models up."""

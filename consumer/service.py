@@ -165,7 +165,7 @@ class Service:
             checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, config.commit_interval_ms / 1000)
         self.publisher = publisher = Publisher(producer_config, checkpoint, PublishSettings.of(config), self.metrics,
                                                tracing=self.tracing)
-        router = self.models.build(publisher.submit, self.metrics, self.tracing)
+        router = self.models.build(publisher.submit, self.metrics, self.tracing, stream=publisher.stream)
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
                                  router=router)

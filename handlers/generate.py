@@ -110,7 +110,7 @@ class GenerateHandler(GenerativeHandler):
         self._lock = threading.Lock()
 
     def _engine_config(self, options: dict[str, Any]) -> ContinuousBatchingConfig:
-        sequences = positive_int(self.name, "max_sequences", options["max_sequences"])
+        self.max_sequences = sequences = positive_int(self.name, "max_sequences", options["max_sequences"])
         page = positive_int(self.name, "page_size", options["page_size"])
         tokens = options["kv_cache_tokens"] or sequences * self.context_length
         return ContinuousBatchingConfig(
@@ -263,8 +263,8 @@ def _eos(tokenizer: Any, model: Any, model_dir: Path) -> frozenset[int]:
         ids.update(source if isinstance(source, list) else [] if source is None else [source])
     if not ids:
         raise HandlerLoadError(f"generate: neither the tokenizer nor the generation config in {model_dir} names an "
-                               "end-of-sequence token, so every answer would run to max_tokens: set tokenizer.eos_token "
-                               "and save it (tokenizer.save_pretrained(DIR))")
+                               "end-of-sequence token, so every answer would run to max_tokens: set "
+                               "tokenizer.eos_token and save it (tokenizer.save_pretrained(DIR))")
     return frozenset(ids)
 
 
@@ -306,7 +306,8 @@ class _Engine:
             manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
             manager.start()
         except Exception as exc:
-            raise HandlerLoadError(f"generate: transformers' continuous batching cannot serve this model: {exc}") from exc
+            raise HandlerLoadError(f"generate: transformers' continuous batching cannot serve this model: "
+                                   f"{exc}") from exc
         return cls(manager)
 
     def add(self, request_id: str, token_ids: list[int], max_tokens: int, sampling: dict[str, float]) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from kinference.handlers.base import Handler
 
@@ -71,7 +71,8 @@ class GenerativeHandler(Handler):
     batch contract's hooks; ``submit``, ``cancel`` and ``events`` replace ``preprocess``/``inference``/
     ``postprocess``, which the service never calls on a generative handler."""
 
-    generative: ClassVar[bool] = True
+    max_sequences: int = 32
+    """The most requests the engine generates at once; the service keeps the others waiting (set in ``setup``)."""
 
     @abstractmethod
     def submit(self, request_id: str, prompt: Prompt) -> None:

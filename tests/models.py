@@ -156,7 +156,8 @@ def build_tiny_causal_lm(path: Path, *, chat_template: str | None = CHAT_TEMPLAT
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=context,
                          initializer_range=0.2, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.sep_token_id if eos else None, bos_token_id=None, tie_word_embeddings=False)
+                         eos_token_id=tokenizer.sep_token_id if eos else None, bos_token_id=None,
+                         tie_word_embeddings=False)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

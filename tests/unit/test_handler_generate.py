@@ -3,6 +3,7 @@ submit/cancel/events port, OpenAI request bodies, detokenisation, stop strings, 
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,7 @@ def test_without_a_chat_template_only_prompts_are_served(tmp_path: Path) -> None
     handler = load_handler("generate")
     handler.setup(HandlerContext(device="cpu", model=build_tiny_causal_lm(tmp_path / "plain", chat_template=None)))
     try:
-        with pytest.raises(InvalidInput, match='no chat template: send {"prompt"'):
+        with pytest.raises(InvalidInput, match=re.escape('no chat template: send {"prompt"')):
             handler.validate({"messages": [{"role": "user", "content": "hi"}]})
         assert handler.validate({"prompt": "hi"}).token_ids
     finally:
