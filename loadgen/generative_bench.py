@@ -53,7 +53,7 @@ def build_model(path: Path) -> Path:
 
 
 def prompts(count: int) -> list[str]:
-    words = ["the", "cat", "sat", "on", "a", "mat", "by", "the", "river", "while", "music", "played", "on", "the", "kafka", "broker"]
+    words = "the cat sat on a mat by the river while music played on the kafka broker".split()  # noqa: SIM905
     return [" ".join(words[: 4 + i % 12]) for i in range(count)]
 
 

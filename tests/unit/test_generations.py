@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from kinference.consumer.generations import GenerationSettings, Generations, StreamChunk
+from kinference.consumer.generations import Generations, GenerationSettings, StreamChunk
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
 from kinference.handlers.generative import Event, GenerativeHandler, Prompt, Sampling
