@@ -87,3 +87,24 @@ def _finals(bootstrap: str, topic: str, count: int) -> dict[bytes, object]:
                 finals[headers[protocol.CORRELATION_ID]] = message
     assert len(finals) == count, sorted(finals)
     return finals
+
+
+def test_client_stream_yields_the_deltas_in_order_and_the_completion(broker, tmp_path):
+    from kinference.loadgen.client import Client
+
+    topics = broker.topics(requests=2, replies=2, dead=1)
+    config = service_config(broker.bootstrap_servers, topics, handler="generate",
+                            model=build_tiny_causal_lm(tmp_path / "lm"),
+                            handler_options={"decoding": "greedy"}, stream_every_tokens=2)
+    body = {"messages": [{"role": "user", "content": "tell me about kafka"}], "max_tokens": 16}
+    with Service(config) as service:
+        assert service.wait_ready(60)
+        with Client(broker.bootstrap_servers, topics["requests"], topics["replies"], timeout_s=60,
+                    reply_consumer={"fetch.wait.max.ms": "10"}) as client:
+            streamed = client.stream(body)
+            deltas = list(streamed)
+            plain = client.request(body).result()  # the same body, not streamed: the final only
+    assert len(deltas) >= 2 and not any(delta.restart for delta in deltas)
+    text = "".join(delta.text for delta in deltas)
+    assert streamed.completion is not None and text == streamed.completion["choices"][0]["message"]["content"]
+    assert plain["choices"][0]["message"]["content"] == text  # greedy: the same tokens
