@@ -237,6 +237,10 @@ class ServiceConfig(BaseModel):
         "kinference-dead-letters", min_length=1, description="Topic for records that are not valid requests."
     )
     group_id: str = Field("kinference", min_length=1, description="Consumer group id.")
+    control_topic: str | None = Field(
+        None, min_length=1, description="Generative models: a topic every member reads for cancels, records "
+        "{\"cancel\": \"<correlation id>\"}; the generation stops with finish_reason cancelled (default: none).",
+    )
     kafka: dict[str, SecretStr] = Field(
         {}, description="librdkafka properties for consumer and producer (key=value; repeatable)."
     )

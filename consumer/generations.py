@@ -87,6 +87,8 @@ class _Generation:
     ids: tuple[str, str, int]
     """Completion id, model, created (epoch seconds): the same on each of its records."""
     sequence: int = 0
+    text: str = ""
+    """Every delta's text so far: what a cancelled request's final carries."""
     pending: str = ""
     """Text generated and not sent in a chunk yet."""
     pending_tokens: int = 0
@@ -149,6 +151,25 @@ class Generations:
                     dropped.append(generation.request)
             self._admit()
         return dropped
+
+    def cancel(self, correlation_id: str) -> None:
+        """A cancel from the control topic: a running generation stops, a waiting request ends at once; each with
+        ``finish_reason`` ``cancelled`` and the text it has."""
+        with self._lock:
+            for request_id, generation in self._running.items():
+                if generation.request.correlation_id == correlation_id and generation.ending is None:
+                    generation.ending = "cancelled"
+                    self._handler.cancel(request_id)
+            cancelled = [request for request in self._waiting if request.correlation_id == correlation_id]
+            for request in cancelled:
+                self._waiting.remove(request)
+        for request in cancelled:
+            generation = _Generation(request, request.item, uuid.uuid4().hex[:16], self._ids())
+            self._answer([self._finish(generation, Event("", "cancelled",
+                                                         prompt_tokens=len(request.item.token_ids)))])
+
+    def _ids(self) -> tuple[str, str, int]:
+        return f"chatcmpl-{uuid.uuid4().hex[:16]}", self.name, int(time.time())
 
     @property
     def waiting(self) -> int:
@@ -246,6 +267,7 @@ class Generations:
                 if event.completion_tokens == 1:
                     self._metrics.labelled(self._metrics.time_to_first_token, self.name).observe(
                         now - generation.request.received)
+                generation.text += event.text
                 generation.pending += event.text
                 generation.pending_tokens += 1
                 if generation.sequence == 0 or self._chunk_due(generation, now):
@@ -283,8 +305,9 @@ class Generations:
             request.fail(RequestError(event.text, ErrorCode.HANDLER_ERROR))
             request.dead_letter = True
             return request
-        reason = generation.ending or event.finish_reason or "stop"
-        body = completion(generation.ids, event.text, reason, (event.prompt_tokens, event.completion_tokens))
+        reason = generation.ending or event.finish_reason or "cancelled"
+        text = event.text if event.kind == "final" else generation.text
+        body = completion(generation.ids, text, reason, (event.prompt_tokens, event.completion_tokens))
         request.reply_value = orjson.dumps(body)
         request.inference_ms = (time.monotonic() - generation.started) * 1000
         return request

@@ -185,6 +185,12 @@ class Models:
         """A request that will not be computed (bad record, expired deadline, refused) goes straight to its reply."""
         self._answer([request])  # type: ignore[misc]  # set by build, before any request arrives
 
+    def cancel(self, correlation_id: str) -> None:
+        """A cancel from the control topic (``control``), to every generative model: the one holding it stops it."""
+        for model in self.loaded:
+            if isinstance(model.batcher, Generations):
+                model.batcher.cancel(correlation_id)
+
     def discard(self, partitions: list[PartitionKey]) -> list[Request]:
         """The requests of revoked partitions that no model has started on, out of every model's batcher."""
         return [request for model in self.loaded for request in model.batcher.discard(partitions)]

@@ -58,7 +58,8 @@ class Event:
     request_id: str
     kind: EventKind
     text: str = ""
-    """``delta``: the text since the previous delta; ``final``: the whole text; ``error``: why."""
+    """``delta``: the text since the previous delta; ``final``: the whole text; ``error``: why; ``cancelled``: the
+    text so far."""
     completion_tokens: int = 0
     """Tokens generated so far."""
     prompt_tokens: int = 0

@@ -195,3 +195,32 @@ def test_an_engine_error_fails_that_request_alone_with_a_dead_letter(engine: Scr
         gens.stop(2.0)
     assert bad.error is not None and bad.dead_letter and "boom" in bad.error.message
     assert good.ok and orjson.loads(good.reply_value)["choices"][0]["message"]["content"] == "fine"
+
+
+def test_a_cancel_stops_a_running_generation_and_ends_a_waiting_one(engine: ScriptedEngine) -> None:
+    outbox = Outbox()
+    gens = generations(engine, outbox, max_sequences=1)
+    running, waiting, other = request(), request(), request()
+    for req in (running, waiting, other):
+        gens.put(req)
+    gens.start()
+    try:
+        engine.step(engine.submitted[0], "so far")
+        gens.cancel(running.correlation_id)
+        gens.cancel(waiting.correlation_id)
+        gens.cancel("nobody")
+        assert wait_for(lambda: len(outbox.answered) == 2)
+    finally:
+        gens.stop(2.0)
+    for req, text in ((running, "so far"), (waiting, "")):
+        choice = orjson.loads(req.reply_value)["choices"][0]
+        assert (choice["finish_reason"], choice["message"]["content"]) == ("cancelled", text)
+    assert other not in outbox.answered and len(engine.submitted) == 2  # the other took the freed place
+
+
+def test_read_cancel() -> None:
+    from kinference.consumer.control import read_cancel
+
+    assert read_cancel(b'{"cancel": "abc"}') == "abc"
+    for bad in (b"", b"nope", b'{"cancel": 3}', b'["abc"]', b'{"cancel": ""}'):
+        assert read_cancel(bad) is None
