@@ -41,9 +41,15 @@ from typing import Any
 
 import torch
 from tokenizers.decoders import DecodeStream
-from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from kinference.errors import HandlerLoadError, InvalidInput, RequestError
+
+try:
+    from transformers import ContinuousBatchingConfig
+except ImportError as exc:  # an older transformers: say which one this handler needs
+    raise HandlerLoadError(f"--handler generate needs transformers' continuous batching: pip install "
+                           f"'kinference[generate]' ({exc})") from exc
 from kinference.handlers.base import HandlerContext
 from kinference.handlers.generative import Event, GenerativeHandler, Prompt, Sampling
 from kinference.handlers.options import one_of, positive_int, with_defaults
