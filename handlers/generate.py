@@ -15,7 +15,9 @@ Options (``--handler-options key=value``):
 - ``max_new_tokens`` (256): the server's cap on ``max_tokens``; also bounded by the context length;
 - ``max_sequences`` (32): the sequences decoded together in one step;
 - ``max_batch_tokens`` (512): the tokens of one step (prompts are prefilled in pieces of at most this);
-- ``kv_cache_tokens`` (0 = ``max_sequences`` x the context length): the KV cache's size, in tokens;
+- ``kv_cache_tokens`` (0 = ``max_sequences`` x the context length): the KV cache's size, in tokens. On a CPU a
+  decoding step's cost grows with it (a tiny model at 1 stream: 10.5 ms a token with 2,048, 21 ms with 16,384), so
+  size it to the workload (the running sequences' prompt and answer tokens), not to the worst case;
 - ``page_size`` (64): tokens per KV-cache page;
 - ``decoding`` (``sample``): ``sample`` honours each request's ``temperature`` and ``top_p`` (a temperature of 0
   picks the likeliest token: it is taken as 1e-4, since the engine either samples every sequence or none);

@@ -192,7 +192,10 @@ def run(requests: int, max_tokens: int, model_dir: Path, rounds: int = 3) -> lis
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
     handler = GenerateHandler()
     handler.setup(HandlerContext(device="cpu", model=model_dir,
-                                 options={"decoding": "greedy", "max_new_tokens": max_tokens, "max_sequences": 32}))
+                                 # The KV cache sized to the workload (32 sequences of at most 16 + max_tokens tokens):
+                                 # on a CPU a decoding step's cost grows with the cache's size (docs/generative.md).
+                                 options={"decoding": "greedy", "max_new_tokens": max_tokens, "max_sequences": 32,
+                                          "kv_cache_tokens": 32 * (16 + max_tokens) * 2}))
     contenders = {"continuous batching": lambda: continuous(handler, max_tokens),
                   "per-request generate()": lambda: per_request(model, tokenizer, max_tokens),
                   "static batches of 8 (50 ms)": lambda: static(model, tokenizer, max_tokens)}
