@@ -202,10 +202,14 @@ def run(requests: int, max_tokens: int, model_dir: Path, rounds: int = 3) -> lis
     rows = []
     try:
         for streams, count in ((32, requests), (1, max(4, requests // 8))):
-            # Rounds interleave the contenders, so that a change in the machine's load falls on all three alike.
+            # Rounds interleave the contenders, so that a change in the machine's load falls on all three alike. Each
+            # measured run follows an unmeasured one of as many requests as streams: the one before it left oneDNN's
+            # kernel cache full of its own shapes, and continuous batching's shapes vary from step to step (the
+            # first run of it, cold, was 5x slower here than the next).
             runs: dict[str, list[tuple[list[Trace], float]]] = {name: [] for name in contenders}
             for _ in range(rounds):
                 for name, make in contenders.items():
+                    closed_loop(make(), prompts(streams), streams)
                     runs[name].append(closed_loop(make(), prompts(count), streams))
             for name, measured in runs.items():
                 rows.append((name, streams, summary(measured)))
