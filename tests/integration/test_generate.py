@@ -108,3 +108,25 @@ def test_client_stream_yields_the_deltas_in_order_and_the_completion(broker, tmp
     text = "".join(delta.text for delta in deltas)
     assert streamed.completion is not None and text == streamed.completion["choices"][0]["message"]["content"]
     assert plain["choices"][0]["message"]["content"] == text  # greedy: the same tokens
+
+
+def test_the_control_reader_hands_over_each_cancel_from_every_partition(broker):
+    """Cancels written after the reader started reach it from any partition; older ones are not replayed."""
+    from kinference.consumer.control import ControlReader
+
+    topics = broker.topics(requests=1, replies=1, dead=1, control=3)
+    produce(broker.bootstrap_servers, topics["control"], [(None, b'{"cancel": "old"}', [])])
+    config = service_config(broker.bootstrap_servers, topics)
+    seen: list[str] = []
+    reader = ControlReader(config.consumer_config(), topics["control"], seen.append)
+    reader.start()
+    try:
+        time.sleep(1.0)  # the assignment at the end takes effect
+        produce(broker.bootstrap_servers, topics["control"],
+                [(str(i).encode(), orjson.dumps({"cancel": f"c{i}"}), []) for i in range(6)] + [(None, b"junk", [])])
+        deadline = time.monotonic() + 30
+        while len(seen) < 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        reader.stop()
+    assert sorted(seen) == [f"c{i}" for i in range(6)]
