@@ -136,14 +136,15 @@ class ReplyPartitions:
         for request in requests:
             if request.reply_partition is None:
                 continue
-            count = self._count(request.reply_topic)
+            count = self.count(request.reply_topic)
             if count is not None and request.reply_partition >= count:
                 asked, request.reply_partition = request.reply_partition, None
                 request.fail(RequestError(f"reply partition {asked} does not exist: {request.reply_topic} has "
                                           f"{count} partitions; the reply goes to its default partition",
                                           ErrorCode.BAD_REQUEST))
 
-    def _count(self, topic: str) -> int | None:
+    def count(self, topic: str) -> int | None:
+        """The topic's partition count (cached); None when the broker does not say."""
         now = time.monotonic()
         known = self._known.get(topic)
         if known is None or now - known[1] > self._ttl_s:

@@ -243,6 +243,10 @@ class ServiceConfig(BaseModel):
         "kinference-dead-letters", min_length=1, description="Topic for records that are not valid requests."
     )
     group_id: str = Field("kinference", min_length=1, description="Consumer group id.")
+    control_topic: str | None = Field(
+        None, min_length=1, description="Generative models: a topic every member reads for cancels, records "
+        "{\"cancel\": \"<correlation id>\"}; the generation stops with finish_reason cancelled (default: none).",
+    )
     kafka: dict[str, SecretStr] = Field(
         {}, description="librdkafka properties for consumer and producer (key=value; repeatable)."
     )
@@ -354,6 +358,17 @@ class ServiceConfig(BaseModel):
     max_header_bytes: int = Field(16_384, ge=1, description="Larger request headers get payload_too_large.")
     max_key_bytes: int = Field(4096, ge=1, description="Larger request keys get payload_too_large, and the reply "
                                "and dead letter go without the key (header kinference-key-omitted).")
+    max_sequences_per_partition: int = Field(
+        16, ge=1, description="Generative models: the most requests of one partition generated at once (the engine's "
+        "own max_sequences bounds them all); the others wait, in order.",
+    )
+    stream_every_tokens: int = Field(
+        8, ge=1, description="Generative models, \"stream\": true: after the first chunk (sent at once), one "
+        "chat.completion.chunk record every this many tokens...",
+    )
+    stream_every_ms: float = Field(
+        100.0, gt=0, description="...or every this many milliseconds, whichever comes first.",
+    )
     max_queue_ms: float | None = Field(
         None, gt=0, description="Shed requests older than this (since written to Kafka) with overloaded "
         "(default: never shed).",

@@ -103,6 +103,18 @@ class Metrics:
         ProcessCollector(registry=r)
         self.model = Info("kinference_model", "Each model being served: its handler's description.", ["model"],
                           registry=r)
+        # Generative models (consumer/generations.py).
+        self.generation_active = Gauge("kinference_generation_active_sequences", "Requests the engine is "
+                                       "generating now.", ["model"], registry=r)
+        self.generation_queued = Gauge("kinference_generation_queued_prompts", "Requests waiting for a place in "
+                                       "the engine.", ["model"], registry=r)
+        self.generated_tokens = Counter("kinference_generated_tokens", "Tokens generated; its rate is tokens per "
+                                        "second.", ["model"], registry=r)
+        self.time_to_first_token = Histogram("kinference_time_to_first_token_seconds", "From receipt by the "
+                                             "consumer to the first generated token.", ["model"],
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_cache_use = Gauge("kinference_kv_cache_use_ratio", "Fraction of the engine's KV cache in use.",
+                                  ["model"], registry=r)
         self.build = Info("kinference_build", "Versions of kinference and of what it runs on.", registry=r)
         self.build.info(build_info())
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
 from kinference.consumer.config import Batching, ServiceConfig
+from kinference.consumer.generations import Generations, GenerationSettings, StreamChunk
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.oip import ServedModel as OipModel
 from kinference.consumer.request import Request
@@ -30,6 +31,7 @@ from kinference.consumer.types import PartitionKey
 from kinference.errors import ConfigError, RequestError
 from kinference.handlers import Handler, HandlerContext, load_handler
 from kinference.handlers.base import Role
+from kinference.handlers.generative import GenerativeHandler
 from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 
 Answer = Callable[[list[Request]], None]
 """Hands finished requests on to be answered (``Publisher.submit``)."""
+Stream = Callable[[list[StreamChunk]], None]
+"""Hands stream chunks of generative requests on to be produced (``Publisher.stream``)."""
 
 
 @dataclass(eq=False)
@@ -52,8 +56,9 @@ class LoadedModel:
     """How its batches run: its settings', with a device process's inference threads in place."""
     handler: Handler
     route: ModelRoute
-    batcher: Batcher
-    pipeline: Pipeline
+    batcher: Batcher | Generations
+    pipeline: Pipeline | Generations
+    """A generative model's ``Generations`` is both: it takes requests one by one and runs its engine's events."""
     max_in_flight: int | None
     """With several models, the most requests this model may hold (waiting in its batcher or in its stages);
     None with one model, where flow control's pause is the only bound."""
@@ -109,13 +114,17 @@ class Models:
                                          max_batch_size=batching.micro_batch_size or batching.max_batch_size,
                                          registry=metrics.registry, host_dir=host_dir, role=role))
 
-    def build(self, answer: Answer, metrics: Metrics, tracing: Tracing | None) -> Router:
+    def build(self, answer: Answer, metrics: Metrics, tracing: Tracing | None, stream: Stream | None = None) -> Router:
         """Each model's route, batcher and stage threads (not started); returns the router over their routes.
-        ``answer`` takes the requests each model finishes, and those refused at once."""
+        ``answer`` takes the requests each model finishes, and those refused at once; ``stream`` the chunks of
+        generative models."""
         self._answer = answer
         share = max(1, self._config.max_in_flight // len(self.handlers)) if len(self.handlers) > 1 else None
         for settings, handler in self.handlers:
-            model = self._build(settings, handler, answer, metrics, tracing)
+            if isinstance(handler, GenerativeHandler):
+                model = self._build_generative(settings, handler, answer, stream, metrics)
+            else:
+                model = self._build(settings, handler, answer, metrics, tracing)
             model.max_in_flight = share
             self.loaded.append(model)
             self._by_name[model.name] = model
@@ -138,6 +147,17 @@ class Models:
         pipeline = Pipeline(ModelRun(name, handler, batching, device), batcher, answer, metrics, tracing)
         route = ModelRoute(name, settings.model_version, handler.payload_format, served)
         return LoadedModel(settings, batching, handler, route, batcher, pipeline, max_in_flight=None)
+
+    def _build_generative(self, settings: ServiceConfig, handler: GenerativeHandler, answer: Answer,
+                          stream: Stream | None, metrics: Metrics) -> LoadedModel:
+        """A generative model skips the batcher and the stages: its engine batches per decoding step."""
+        if stream is None:
+            raise ConfigError(f"{settings.handler} generates, and this service has nowhere to stream its chunks")
+        name = served_name(settings, handler)
+        generations = Generations(name, handler, answer, stream,
+                                  GenerationSettings.of(settings, handler.max_sequences), metrics)
+        route = ModelRoute(name, settings.model_version, handler.payload_format, None)
+        return LoadedModel(settings, settings.batching, handler, route, generations, generations, max_in_flight=None)
 
     def start(self, metrics: Metrics) -> None:
         """Start every model's stage threads; returns once their inference threads warmed the models up."""
@@ -183,6 +203,12 @@ class Models:
     def answer_now(self, request: Request) -> None:
         """A request that will not be computed (bad record, expired deadline, refused) goes straight to its reply."""
         self._answer([request])  # type: ignore[misc]  # set by build, before any request arrives
+
+    def cancel(self, correlation_id: str) -> None:
+        """A cancel from the control topic (``control``), to every generative model: the one holding it stops it."""
+        for model in self.loaded:
+            if isinstance(model.batcher, Generations):
+                model.batcher.cancel(correlation_id)
 
     def discard(self, partitions: list[PartitionKey]) -> list[Request]:
         """The requests of revoked partitions that no model has started on, out of every model's batcher."""

@@ -59,6 +59,7 @@ import logging
 import queue
 import threading
 import time
+import zlib
 from collections import Counter as Tally
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from kinference.consumer.answers import Delivery, Refusal, ReplyPartitions, answer, classify, replacement
 from kinference.consumer.checkpoint import Abort, Checkpoint, Transaction
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.generations import StreamChunk
 from kinference.consumer.logs import about
 from kinference.consumer.metrics import UNSERVED_LABEL, Metrics, observe_many
 from kinference.consumer.request import Request
@@ -154,7 +156,7 @@ class Publisher:
         self._tracing = tracing
         self._dead_letter_topic = settings.dead_letter_topic
         self._checkpoint = checkpoint
-        self._inbox: queue.Queue[list[Request]] = queue.Queue(maxsize=settings.queue_size)
+        self._inbox: queue.Queue[list[Request] | list[StreamChunk]] = queue.Queue(maxsize=settings.queue_size)
         self._new_producer = partial(producer_factory, {**producer_config, "error_cb": self._on_client_error})
         self._producer = self._new_producer()
         self._reply_partitions = ReplyPartitions(self._partitions)
@@ -209,6 +211,11 @@ class Publisher:
                 if not self.alive:
                     raise PublisherDown(f"the publisher is not running ({self.failure or 'stopped'})") from None
 
+    def stream(self, chunks: list[StreamChunk]) -> None:
+        """Queue the stream chunks of generative requests, produced in order before their requests' finals (one
+        producer, one partition per request). Chunks are not answers: nothing waits for their acknowledgement."""
+        self.submit(chunks)  # type: ignore[arg-type]  # the inbox carries both; _take tells them apart
+
     def stop(self, timeout_s: float) -> None:
         """Publish what is queued and wait up to ``timeout_s`` for it to become durable."""
         self._stopping.set()
@@ -261,6 +268,9 @@ class Publisher:
         try:
             requests = self._inbox.get(timeout=timeout_s)
         except queue.Empty:
+            return
+        if requests and isinstance(requests[0], StreamChunk):
+            self._produce_chunks(requests)  # type: ignore[arg-type]
             return
         self._reply_partitions.check(requests)
         now = time.monotonic()
@@ -327,6 +337,32 @@ class Publisher:
             self._transaction, self._sent = None, []
 
     # --- records
+
+    def _produce_chunks(self, chunks: list[StreamChunk]) -> None:
+        """Best effort: a chunk the broker refuses is counted and logged, and the client sees the gap (the final,
+        which carries the whole text, is what answers the request)."""
+        for piece in chunks:
+            request = piece.request
+            if request.key is None and request.reply_partition is None:
+                # Pinned at the first chunk, so that a keyless request's chunks and final share one partition.
+                count = self._reply_partitions.count(request.reply_topic) or 1
+                request.reply_partition = zlib.crc32(request.correlation_id.encode()) % count
+            kwargs = {} if request.reply_partition is None else {"partition": request.reply_partition}
+            while True:
+                try:
+                    self._producer.produce(request.reply_topic, piece.value, request.key, headers=piece.headers,
+                                           on_delivery=self._on_chunk, **kwargs)
+                    break
+                except BufferError:
+                    self._producer.poll(_POLL_S)
+                except KafkaException as exc:
+                    self._on_chunk(exc.args[0], None)
+                    break
+
+    def _on_chunk(self, error: KafkaError | None, _message: Any) -> None:
+        if error is not None:
+            self._metrics.labelled(self._metrics.delivery_failures, "chunk").inc()
+            log.warning("a stream chunk was not delivered: %s", error)
 
     def _answer(self, request: Request, deliveries: list[Delivery]) -> None:
         """Produce these records of a request answered outside a transaction."""

@@ -28,6 +28,7 @@ from confluent_kafka import KafkaException
 from kinference.consumer.budget import ByteBudget
 from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.control import ControlReader
 from kinference.consumer.device_link import DeviceLink
 from kinference.consumer.endpoints import Endpoints, EndpointSettings
 from kinference.consumer.intake import Intake
@@ -111,6 +112,8 @@ class Service:
         self.publisher: Publisher | None = None
         self.source: Source | ShareSource | None = None
         self.lag: LagMonitor | None = None
+        self.control: ControlReader | None = None
+        """The control topic's reader (cancels of generations); None without ``control_topic``."""
 
     def start(self) -> Service:
         config = self.config
@@ -151,6 +154,9 @@ class Service:
         source.start()
         if self.lag is not None:
             self.lag.start()
+        if config.control_topic is not None:
+            self.control = ControlReader(config.consumer_config(), config.control_topic, self.models.cancel)
+            self.control.start()
         self._started = True
         log.info("serving %s -> %s (group %s, models %s, %s, %s rebalancing)",
                  ",".join(config.request_topics), config.reply_topic, config.group_id,
@@ -184,7 +190,7 @@ class Service:
             budget.release(requests)  # the stages are done with them: their decoded values go
             publisher.submit(requests)
 
-        router = self.models.build(finished, self.metrics, self.tracing)
+        router = self.models.build(finished, self.metrics, self.tracing, stream=publisher.stream)
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
                                  router=router, max_key_bytes=config.max_key_bytes,
@@ -258,6 +264,7 @@ class Service:
         return {
             "source": source.alive,
             "publisher": publisher.alive and publisher.failure is None,
+            **({} if self.control is None else {"control": self.control.alive}),
             **self.models.health_checks(),
         }
 
@@ -299,6 +306,8 @@ class Service:
         if source is None or publisher is None:
             return  # unreachable once started; spelled out for the type checker
         source.drain(min(_PAUSE_WAIT_S, grace_s / 10))
+        if self.control is not None:
+            self.control.stop()
         # With the publisher gone, in-flight work can never be answered: waiting for it only delays the restart.
         drain_until = deadline - reserve_s if publisher.alive else time.monotonic()
         if not self.tracker.wait_idle(max(0.0, drain_until - time.monotonic())):

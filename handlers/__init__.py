@@ -14,6 +14,7 @@ BUILTIN = {
     "sim": "kinference.handlers.sim:SimulatedAccelerator",
     "image-classification": "kinference.handlers.image:ImageClassificationHandler",
     "torchserve": "kinference.handlers.torchserve:TorchServeHandler",
+    "generate": "kinference.handlers.generate:GenerateHandler",
 }
 
 __all__ = ["BUILTIN", "Handler", "HandlerContext", "handler_class", "load_handler"]

@@ -38,6 +38,14 @@ MODEL = "kinference-model"
 """On a request: the model to serve it (several models in one process); on a reply: the model that did."""
 MODEL_VERSION = "kinference-model-version"
 """On a request: the model version it needs; on a reply: the version that served it (when the model has one)."""
+EVENT = "kinference-event"
+"""On the records that answer a generative request: ``delta`` (a stream chunk) or ``final`` (the whole answer, or its
+error); see docs/generative.md."""
+SEQUENCE = "kinference-sequence"
+"""On those records: 0, 1, 2... within one attempt, the final included, so a client sees a gap or a duplicate."""
+ATTEMPT = "kinference-attempt"
+"""On those records: which generation of the request they belong to. A request generated again (its partition moved
+to another member) gets a new attempt id; a client drops the chunks of the abandoned one."""
 # Spring Kafka's ReplyingKafkaTemplate headers (KafkaHeaders.CORRELATION_ID, REPLY_TOPIC, REPLY_PARTITION).
 SPRING_CORRELATION_ID = "kafka_correlationId"
 SPRING_REPLY_TOPIC = "kafka_replyTopic"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import random
 import threading
 import time
@@ -31,10 +32,12 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from kinference.loadgen.errors import ClientClosed, ClientError, DeliveryFailed, RequestTimeout, TooManyPending
 from kinference.loadgen.pending import ClientStats, Pending, PendingTable, settle
 from kinference.loadgen.reply import Reply
+from kinference.loadgen.stream import Stream
 from kinference.protocol import (
     BOOTSTRAP_SERVERS_ENV,
     CORRELATION_ID,
     DEADLINE_MS,
+    EVENT,
     KAFKA_PROPERTIES_ENV,
     REPLY_TO,
     SPRING_REPLY_PARTITION,
@@ -104,6 +107,8 @@ class Client:
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         self._routing: list[tuple[str, bytes]] = []
+        self._streams: dict[str, queue.Queue[Any]] = {}
+        """The records of each streamed request (``stream``), by correlation id, until its final."""
         self._stopping = threading.Event()
         self._reader: threading.Thread | None = None
 
@@ -217,6 +222,23 @@ class Client:
                 outcomes.append(exc)
         return outcomes
 
+    def stream(self, value: dict[str, Any], *, key: bytes | str | None = None, timeout_s: float | None = None,
+               headers: Iterable[tuple[str, bytes]] = ()) -> Stream:
+        """Send a generation request (an OpenAI chat-completions body, sent with ``"stream": true``) and return its
+        ``Stream``: iterate for the deltas, in order, duplicates dropped, restarted when the request is generated
+        again; ``StreamGap`` when a chunk is missing. ``Stream.completion`` is the final ``chat.completion``."""
+        deadline = self._deadline(timeout_s)
+        correlation_id = uuid.uuid4().hex
+        records: queue.Queue[Any] = queue.Queue()
+        self._streams[correlation_id] = records  # before the request exists: no record of it can come earlier
+        try:
+            self._send_as(correlation_id, {**value, "stream": True}, key, headers, (deadline, True))
+        except BaseException:
+            self._streams.pop(correlation_id, None)
+            raise
+        return Stream(records, deadline, correlation_id, time.monotonic(),
+                      lambda: self._streams.pop(correlation_id, None))
+
     def _deadline(self, timeout_s: float | None) -> float:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if timeout_s <= 0:
@@ -225,10 +247,15 @@ class Client:
 
     def _send(self, value: Any, key: bytes | str | None, headers: Iterable[tuple[str, bytes]],
               deadline: float, block: bool) -> Future[Reply]:
+        return self._send_as(uuid.uuid4().hex, value, key, headers, (deadline, block))
+
+    def _send_as(self, correlation_id: str, value: Any, key: bytes | str | None, headers: Iterable[tuple[str, bytes]],
+                 timing: tuple[float, bool]) -> Future[Reply]:
+        """``timing``: the deadline (``time.monotonic()``) and whether to wait for room under ``max_pending``."""
+        deadline, block = timing
         if self._producer is None or self._stopping.is_set():
             raise ClientClosed("the client is not started or already closed")
         payload = value if isinstance(value, bytes | bytearray | memoryview) else orjson.dumps(value)
-        correlation_id = uuid.uuid4().hex
         record_headers = [(CORRELATION_ID, correlation_id.encode()), *self._routing, *headers]
         if self.propagate_deadline:
             epoch_ms = int((time.time() + deadline - time.monotonic()) * 1000)
@@ -281,6 +308,12 @@ class Client:
             log.log(logging.DEBUG if unused_group else logging.WARNING, "reply consumer: %s", record.error())
             return
         correlation_id = _correlation_id(record)
+        records = self._streams.get(correlation_id) if correlation_id else None
+        if records is not None:
+            records.put(record)
+            if _is_chunk(record):
+                return  # the final, or an error reply, ends the request
+            self._streams.pop(correlation_id, None)  # type: ignore[arg-type]
         entry = self._pending.take(correlation_id) if correlation_id else None
         if entry is not None:
             settle(entry.future, Reply.from_record(record, entry.sent_at, received_at))
@@ -328,6 +361,10 @@ class Client:
 _LEADER_MOVING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
                   KafkaError.UNKNOWN_TOPIC_OR_PART}
 """What a broker answers while a partition's leader is being elected (just after the topic's creation)."""
+
+
+def _is_chunk(record: Any) -> bool:
+    return any(name == EVENT and raw == b"delta" for name, raw in record.headers() or [])
 
 
 def _correlation_id(record: Any) -> str | None:

@@ -76,6 +76,8 @@ class Reply:
         if not self.ok:
             raise ReplyError(self.error_code or "unknown", str(self._error_body().get("message", "")), self)
         body = self.json()
+        if isinstance(body, dict) and body.get("object") == "chat.completion":
+            return body  # a generative model's final is an OpenAI chat.completion itself, with no "result" around it
         return body.get("result") if isinstance(body, dict) else body
 
     # Server-side figures from the reply headers (None when the service did not send them, e.g. for

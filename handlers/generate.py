@@ -1,0 +1,358 @@
+"""``--handler generate --model DIR``: a causal language model from a local directory, served by transformers'
+continuous batching (``ContinuousBatchingManager``, from ``model.init_continuous_batching``).
+
+The engine runs one decoding step at a time over every running sequence, and admits new prompts between steps:
+a sequence that ends frees its place at once, and a new one does not wait for a batch to fill. Its paged KV cache
+is sized here, from the options (transformers sizes it from free GPU memory otherwise, which on a CPU host is
+not what is free for it).
+
+Requests are OpenAI chat-completions bodies or ``{"prompt": ...}`` (``kinference.openai``), turned into token ids
+in ``validate`` (the model's chat template for ``messages``). Text comes out of the engine one token at a time and
+is detokenised incrementally (``tokenizers``' ``DecodeStream``: a character split over several byte-level tokens is
+held until it is whole), with stop strings cut out of the text (the tail that could still begin one is held back).
+
+Options (``--handler-options key=value``):
+- ``max_new_tokens`` (256): the server's cap on ``max_tokens``; also bounded by the context length;
+- ``max_sequences`` (32): the sequences decoded together in one step;
+- ``max_batch_tokens`` (512): the tokens of one step (prompts are prefilled in pieces of at most this);
+- ``kv_cache_tokens`` (0 = ``max_sequences`` x the context length): the KV cache's size, in tokens. On a CPU a
+  decoding step's cost grows with it (a tiny model at 1 stream: 10.5 ms a token with 2,048, 21 ms with 16,384), so
+  size it to the workload (the running sequences' prompt and answer tokens), not to the worst case;
+- ``page_size`` (64): tokens per KV-cache page;
+- ``decoding`` (``sample``): ``sample`` honours each request's ``temperature`` and ``top_p`` (a temperature of 0
+  picks the likeliest token: it is taken as 1e-4, since the engine either samples every sequence or none);
+  ``greedy`` always picks the likeliest token and ignores both;
+- ``max_chars`` (32768): the most characters of prompt text;
+- ``dtype`` (float32, float16 or bfloat16);
+- ``chat_template``: a Jinja file to use when the tokenizer has none.
+
+``seed`` is accepted and not honoured: one engine samples every sequence from one generator (OpenAI's ``seed`` is
+best effort too).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers.decoders import DecodeStream
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from kinference.errors import HandlerLoadError, InvalidInput, RequestError
+
+try:
+    from transformers import ContinuousBatchingConfig
+except ImportError as exc:  # an older transformers: say which one this handler needs
+    raise HandlerLoadError(f"--handler generate needs transformers' continuous batching: pip install "
+                           f"'kinference[generate]' ({exc})") from exc
+from kinference.handlers.base import HandlerContext
+from kinference.handlers.generative import Event, GenerativeHandler, Prompt, Sampling
+from kinference.handlers.options import one_of, positive_int, with_defaults
+from kinference.handlers.text import DTYPES, check_model_dir
+from kinference.openai import ChatRequest, read_chat_request
+from kinference.protocol import ErrorCode
+
+log = logging.getLogger(__name__)
+
+MIN_TEMPERATURE = 1e-4
+"""What a temperature of 0 becomes when the engine samples: logits scaled by 10^4 leave only the likeliest token."""
+_DEFAULT_TEMPERATURE = 0.7
+_DEFAULT_TOP_P = 0.95
+"""The engine's own defaults under ``decoding=sample``: neither may be 1.0, or transformers builds no per-request
+temperature or top-p step at all."""
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """One running request, as the drain thread sees it: its detokeniser and the text so far."""
+
+    prompt: Prompt
+    decoder: DecodeStream = field(default_factory=lambda: DecodeStream(skip_special_tokens=True))
+    seen: int = 0
+    """Generated tokens fed to the detokeniser so far."""
+    text: str = ""
+    sent: int = 0
+    """Characters of ``text`` already sent in deltas."""
+
+
+class GenerateHandler(GenerativeHandler):
+    name = "generate"
+    defaults: dict[str, Any] = {
+        "max_new_tokens": 256,
+        "max_sequences": 32,
+        "max_batch_tokens": 512,
+        "kv_cache_tokens": 0,
+        "page_size": 64,
+        "decoding": "sample",
+        "max_chars": 32_768,
+        "dtype": "float32",
+        "chat_template": None,
+    }
+
+    def setup(self, context: HandlerContext) -> None:
+        options = with_defaults(self.name, self.defaults, context.options)
+        if context.model is None:
+            raise HandlerLoadError("generate needs --model DIR: a local directory with a causal LM (config.json, the "
+                                   "weights, the tokenizer), as model.save_pretrained(DIR) writes it")
+        self.max_new_tokens = positive_int(self.name, "max_new_tokens", options["max_new_tokens"])
+        self.max_chars = positive_int(self.name, "max_chars", options["max_chars"])
+        self.greedy = one_of(self.name, "decoding", options["decoding"], ("sample", "greedy")) == "greedy"
+        dtype = DTYPES[one_of(self.name, "dtype", options["dtype"], DTYPES)]
+        self.model_name = context.model.resolve().name
+        self.tokenizer, model = _load(context.model, dtype, context.device)
+        self._template = _chat_template(self.tokenizer, context.model, options["chat_template"])
+        self.eos = _eos(self.tokenizer, model, context.model)
+        self.context_length = int(model.config.max_position_embeddings)
+        self._backend = self.tokenizer.backend_tokenizer
+        self._engine = _Engine.start(model, self._engine_config(options), self._generation_config())
+        self._running: dict[str, _Sequence] = {}
+        self._ended: list[Event] = []
+        """Cancelled requests' events, waiting for the next ``events`` call."""
+        self._lock = threading.Lock()
+
+    def _engine_config(self, options: dict[str, Any]) -> ContinuousBatchingConfig:
+        self.max_sequences = sequences = positive_int(self.name, "max_sequences", options["max_sequences"])
+        page = positive_int(self.name, "page_size", options["page_size"])
+        tokens = options["kv_cache_tokens"] or sequences * self.context_length
+        return ContinuousBatchingConfig(
+            num_blocks=math.ceil(positive_int(self.name, "kv_cache_tokens", tokens) / page), page_size=page,
+            max_batch_tokens=positive_int(self.name, "max_batch_tokens", options["max_batch_tokens"]),
+            max_requests_per_batch=sequences, use_cuda_graph=False, allow_block_sharing=False,
+            per_request_processors=not self.greedy)
+
+    def _generation_config(self) -> GenerationConfig:
+        if self.greedy:
+            return GenerationConfig(do_sample=False, eos_token_id=list(self.eos), max_new_tokens=self.max_new_tokens)
+        return GenerationConfig(do_sample=True, temperature=_DEFAULT_TEMPERATURE, top_p=_DEFAULT_TOP_P, top_k=0,
+                                eos_token_id=list(self.eos), max_new_tokens=self.max_new_tokens)
+
+    # --- the poll thread
+
+    def validate(self, payload: Any) -> Prompt:
+        request = read_chat_request(payload, self.max_chars)
+        token_ids = self._tokens(request)
+        room = self.context_length - len(token_ids)
+        if room < 1:
+            raise InvalidInput(f"the prompt is {len(token_ids)} tokens; the model's context is {self.context_length}")
+        wanted = request.max_tokens or self.max_new_tokens
+        if request.max_tokens is not None and request.max_tokens > room:
+            raise InvalidInput(f"max_tokens={request.max_tokens} and the prompt's {len(token_ids)} tokens exceed the "
+                               f"model's context of {self.context_length} tokens")
+        sampling = Sampling(min(wanted, self.max_new_tokens, room), request.temperature, request.top_p, request.stop,
+                            request.seed)
+        return Prompt(tuple(token_ids), sampling, request.stream)
+
+    def _tokens(self, request: ChatRequest) -> list[int]:
+        if request.prompt is not None:
+            return self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
+        if self._template is None:
+            raise InvalidInput('this model has no chat template: send {"prompt": "..."} instead of "messages"')
+        return self.tokenizer.apply_chat_template(list(request.messages), chat_template=self._template,  # type: ignore[arg-type]
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    def submit(self, request_id: str, prompt: Prompt) -> None:
+        with self._lock:
+            if request_id in self._running:
+                raise RequestError(f"request {request_id} is already generating", ErrorCode.INTERNAL_ERROR)
+            self._running[request_id] = _Sequence(prompt)
+        sampling = prompt.sampling
+        extra = {} if self.greedy else {"temperature": max(sampling.temperature, MIN_TEMPERATURE),
+                                        "top_p": sampling.top_p}
+        if not self._engine.add(request_id, list(prompt.token_ids), sampling.max_tokens, extra):
+            with self._lock:
+                del self._running[request_id]
+            raise RequestError("the generation engine is not running", ErrorCode.INTERNAL_ERROR)
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            sequence = self._running.pop(request_id, None)
+            if sequence is None:
+                return
+            self._ended.append(Event(request_id, "cancelled", sequence.text, sequence.seen,
+                                     len(sequence.prompt.token_ids), "cancelled"))
+        self._engine.cancel(request_id)
+
+    # --- the drain thread
+
+    def events(self, timeout_s: float) -> list[Event]:
+        outputs = self._engine.outputs(0.0 if self._ended else timeout_s)
+        events: list[Event] = []
+        with self._lock:
+            events, self._ended = self._ended, []
+            for output in outputs:
+                sequence = self._running.get(output.request_id)
+                if sequence is not None:  # else cancelled, or ended by a stop string: what follows is stale
+                    events.extend(self._advance(output, sequence))
+        return events
+
+    def _advance(self, output: Any, sequence: _Sequence) -> list[Event]:
+        """The events of one engine output (the request's tokens so far)."""
+        request_id, prompt_tokens = output.request_id, len(sequence.prompt.token_ids)
+        if output.error is not None:
+            del self._running[request_id]
+            return [Event(request_id, "error", f"the engine failed: {output.error}", sequence.seen, prompt_tokens)]
+        tokens = output.generated_tokens
+        for token in tokens[sequence.seen:]:
+            sequence.text += self._piece(sequence.decoder, token)
+        sequence.seen = len(tokens)
+        stopped = _cut_at_stop(sequence)
+        finished = stopped or output.is_finished()
+        events = []
+        safe = len(sequence.text) if finished else len(sequence.text) - _held(sequence.text, sequence.prompt)
+        if safe > sequence.sent:
+            events.append(Event(request_id, "delta", sequence.text[sequence.sent:safe], sequence.seen, prompt_tokens))
+            sequence.sent = safe
+        if finished:
+            del self._running[request_id]
+            if stopped:
+                self._engine.cancel(request_id)
+            reason = "stop" if stopped or (tokens and tokens[-1] in self.eos) else "length"
+            events.append(Event(request_id, "final", sequence.text, sequence.seen, prompt_tokens, reason))
+        return events
+
+    def _piece(self, decoder: DecodeStream, token: int) -> str:
+        if token in self.eos:
+            return ""
+        return decoder.step(self._backend, token) or ""
+
+    @property
+    def kv_cache_use(self) -> float | None:
+        return self._engine.cache_use()
+
+    def describe(self) -> dict[str, str]:
+        return {"handler": self.name, "model": self.model_name, "engine": "transformers-continuous-batching",
+                "decoding": "greedy" if self.greedy else "sample"}
+
+    def close(self) -> None:
+        self._engine.stop()
+
+
+def _load(model_dir: Path, dtype: torch.dtype, device: str) -> tuple[Any, Any]:
+    check_model_dir(GenerateHandler.name, model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
+    except Exception as exc:  # whatever fails while loading, the service cannot start
+        raise HandlerLoadError(f"generate: cannot load a causal LM from {model_dir}: {exc}") from exc
+    if not getattr(tokenizer, "is_fast", False):
+        raise HandlerLoadError(f"generate: the tokenizer in {model_dir} has no fast (Rust) version, which "
+                               "incremental detokenisation needs: save its tokenizer.json")
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        raise HandlerLoadError(f"generate: the tokenizer in {model_dir} has neither a pad token nor an end-of-sequence "
+                               "token: set them and save it (tokenizer.eos_token = ...; tokenizer.pad_token = "
+                               "tokenizer.eos_token; tokenizer.save_pretrained(DIR))")
+    return tokenizer, model.eval().to(device)
+
+
+def _chat_template(tokenizer: Any, model_dir: Path, path: str | None) -> str | None:
+    """The template for ``messages``: the option's file, else the tokenizer's; None (``prompt`` only) when neither."""
+    if path is not None:
+        try:
+            return Path(path).expanduser().read_text()
+        except OSError as exc:
+            raise HandlerLoadError(f"generate: cannot read the chat_template file {path}: {exc}") from exc
+    if tokenizer.chat_template is None:
+        log.warning("the tokenizer in %s has no chat template: requests with \"messages\" are refused, {\"prompt\": "
+                    "...} served (set one with --handler-options chat_template=FILE.jinja)", model_dir)
+    return tokenizer.chat_template
+
+
+def _eos(tokenizer: Any, model: Any, model_dir: Path) -> frozenset[int]:
+    """Every token that ends a sequence: the generation config's and the tokenizer's."""
+    ids: set[int] = set()
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        ids.update(source if isinstance(source, list) else [] if source is None else [source])
+    if not ids:
+        raise HandlerLoadError(f"generate: neither the tokenizer nor the generation config in {model_dir} names an "
+                               "end-of-sequence token, so every answer would run to max_tokens: set "
+                               "tokenizer.eos_token and save it (tokenizer.save_pretrained(DIR))")
+    return frozenset(ids)
+
+
+def _cut_at_stop(sequence: _Sequence) -> bool:
+    """Cut the text before the first stop string in it; True when there was one. Only the new text (and the tail
+    that could have begun a stop before it) is searched."""
+    stops = sequence.prompt.sampling.stop
+    if not stops:
+        return False
+    start = max(0, sequence.sent - max(map(len, stops)))
+    found = [i for i in (sequence.text.find(stop, start) for stop in stops) if i >= 0]
+    if not found:
+        return False
+    sequence.text = sequence.text[:min(found)]
+    return True
+
+
+def _held(text: str, prompt: Prompt) -> int:
+    """How many characters at the end of ``text`` could be the start of a stop string: not sent yet."""
+    held = 0
+    for stop in prompt.sampling.stop:
+        for size in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:size]):
+                held = size
+                break
+    return held
+
+
+class _Engine:
+    """transformers' ``ContinuousBatchingManager`` behind four calls; it runs its own decoding thread."""
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+        self._outputs: queue.Queue[Any] = manager.output_router.output_queue
+
+    @classmethod
+    def start(cls, model: Any, config: ContinuousBatchingConfig, generation: GenerationConfig) -> _Engine:
+        try:
+            manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
+            manager.start()
+        except Exception as exc:
+            raise HandlerLoadError(f"generate: transformers' continuous batching cannot serve this model: "
+                                   f"{exc}") from exc
+        return cls(manager)
+
+    def add(self, request_id: str, token_ids: list[int], max_tokens: int, sampling: dict[str, float]) -> bool:
+        """False when the engine does not take requests (stopped, or its thread died)."""
+        if not self._manager.is_running():
+            return False
+        added = self._manager.add_request(token_ids, request_id=request_id, max_new_tokens=max_tokens,
+                                          streaming=True, **sampling)
+        return added is not None
+
+    def cancel(self, request_id: str) -> None:
+        self._manager.cancel_request(request_id)
+
+    def outputs(self, timeout_s: float) -> list[Any]:
+        """Every output waiting, after up to ``timeout_s`` for the first."""
+        return _drain(self._outputs.get, timeout_s)
+
+    def cache_use(self) -> float | None:
+        cache = getattr(self._manager.batch_processor, "cache", None)
+        if cache is None or not cache.num_sectors:
+            return None
+        return 1.0 - cache.pool.num_free_sectors / cache.num_sectors
+
+    @property
+    def alive(self) -> bool:
+        return self._manager.is_running()
+
+    def stop(self) -> None:
+        if self._manager.is_running():
+            self._manager.stop(block=True, timeout=10.0)
+
+
+def _drain(get: Callable[..., Any], timeout_s: float) -> list[Any]:
+    items = []
+    try:
+        items.append(get(timeout=timeout_s) if timeout_s > 0 else get(block=False))
+        while True:
+            items.append(get(block=False))
+    except queue.Empty:
+        return items

@@ -1,0 +1,198 @@
+"""The generative handler (handlers/generate.py) on a tiny Llama: transformers' continuous batching behind the
+submit/cancel/events port, OpenAI request bodies, detokenisation, stop strings, cancel, load errors."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kinference.errors import HandlerLoadError, InvalidInput
+from kinference.handlers import HandlerContext, load_handler
+from kinference.handlers.generate import GenerateHandler, _held, _Sequence
+from kinference.handlers.generative import Event, Prompt, Sampling
+from kinference.openai import read_chat_request, read_embeddings_request
+from tests.models import build_tiny_causal_lm
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny-lm"))
+
+
+@pytest.fixture(scope="module")
+def greedy(lm_dir: Path) -> Any:
+    handler = load_handler("generate")
+    handler.setup(HandlerContext(device="cpu", model=lm_dir, options={"decoding": "greedy", "max_new_tokens": 24}))
+    yield handler
+    handler.close()
+
+
+def run(handler: GenerateHandler, prompts: dict[str, Prompt], timeout_s: float = 120.0) -> dict[str, list[Event]]:
+    """Submit every prompt and collect each one's events until all have ended."""
+    for request_id, prompt in prompts.items():
+        handler.submit(request_id, prompt)
+    events: dict[str, list[Event]] = {request_id: [] for request_id in prompts}
+    ended: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(ended) < len(prompts) and time.monotonic() < deadline:
+        for event in handler.events(0.2):
+            events[event.request_id].append(event)
+            if event.kind != "delta":
+                ended.add(event.request_id)
+    assert ended == set(prompts)
+    return events
+
+
+def test_continuous_batching_decodes_as_generate_does(greedy: GenerateHandler, lm_dir: Path) -> None:
+    """Greedy tokens from the engine, many requests at once, are those of a plain generate() call per prompt; the
+    deltas add up to the final text, which is the tokenizer's decoding of the tokens."""
+    texts = ["the cat sat on the mat", "kafka", "a broker partition offset batch model token inference"]
+    prompts = {f"r{i}": greedy.validate({"prompt": text, "max_tokens": 12}) for i, text in enumerate(texts)}
+    events = run(greedy, prompts)
+    model = AutoModelForCausalLM.from_pretrained(lm_dir, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(lm_dir, local_files_only=True)
+    for request_id, prompt in prompts.items():
+        *deltas, final = events[request_id]
+        assert final.kind == "final" and all(delta.kind == "delta" for delta in deltas)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt.token_ids]), max_new_tokens=12, do_sample=False)
+        expected = out[0, len(prompt.token_ids):].tolist()
+        assert final.completion_tokens == len(expected)
+        assert final.finish_reason == ("stop" if expected[-1] == tokenizer.sep_token_id else "length")
+        assert final.text.strip() == tokenizer.decode(expected, skip_special_tokens=True).strip()
+        assert "".join(delta.text for delta in deltas) == final.text
+        assert final.prompt_tokens == len(prompt.token_ids)
+
+
+def test_chat_messages_go_through_the_template(greedy: GenerateHandler) -> None:
+    prompt = greedy.validate({"messages": [{"role": "user", "content": "hello"}], "stream": True})
+    text = greedy.tokenizer.decode(prompt.token_ids)
+    assert text == "user : hello assistant :"  # the test template, through WordPiece
+    assert prompt.stream is True
+
+
+def test_max_tokens_is_capped_by_the_server_and_the_context(greedy: GenerateHandler) -> None:
+    assert greedy.validate({"prompt": "the cat"}).sampling.max_tokens == 24  # the handler's max_new_tokens
+    assert greedy.validate({"prompt": "the cat", "max_completion_tokens": 200}).sampling.max_tokens == 24
+    with pytest.raises(InvalidInput, match="exceed the model's context of 256 tokens"):
+        greedy.validate({"prompt": "the cat", "max_tokens": 300})
+    with pytest.raises(InvalidInput, match="the model's context is 256"):
+        greedy.validate({"prompt": "cat " * 300})
+
+
+def test_stop_string_ends_the_text_before_it(greedy: GenerateHandler) -> None:
+    """Generate once, pick a stop string from the middle of the text, generate again: the text ends before it,
+    with finish_reason stop, and no delta ever carried any part of it."""
+    first = run(greedy, {"free": greedy.validate({"prompt": "river music", "max_tokens": 20})})["free"][-1]
+    words = first.text.split()
+    stop = " " + words[len(words) // 2]
+    expected = first.text[:first.text.index(stop)]
+    events = run(greedy, {"cut": greedy.validate({"prompt": "river music", "max_tokens": 20, "stop": [stop]})})["cut"]
+    final = events[-1]
+    assert (final.kind, final.finish_reason, final.text) == ("final", "stop", expected)
+    assert "".join(event.text for event in events[:-1]) == expected
+
+
+def test_held_keeps_back_what_could_begin_a_stop_string() -> None:
+    prompt = Prompt((1,), Sampling(5, stop=("END", "xy")))
+    assert _held("some text E", prompt) == 1
+    assert _held("some text EN", prompt) == 2
+    assert _held("some text x", prompt) == 1
+    assert _held("some text", prompt) == 0
+    assert isinstance(_Sequence(prompt).text, str)
+
+
+def test_cancel_ends_a_request_with_cancelled_and_nothing_after(greedy: GenerateHandler) -> None:
+    greedy.submit("long", greedy.validate({"prompt": "the cat", "max_tokens": 24}))
+    greedy.cancel("long")
+    greedy.cancel("long")  # a second cancel, or one of an unknown id, does nothing
+    greedy.cancel("unknown")
+    seen: list[Event] = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        seen += [event for event in greedy.events(0.1) if event.request_id == "long"]
+    assert [event.kind for event in seen] == ["cancelled"]
+    assert seen[0].finish_reason == "cancelled"
+
+
+def test_sampling_honours_temperature_zero(lm_dir: Path, greedy: GenerateHandler) -> None:
+    """Under decoding=sample, temperature 0 gives the greedy tokens."""
+    handler = load_handler("generate")
+    handler.setup(HandlerContext(device="cpu", model=lm_dir, options={"max_new_tokens": 10}))
+    try:
+        body = {"prompt": "blue stream broker", "max_tokens": 10, "temperature": 0}
+        sampled = run(handler, {"a": handler.validate(body)})["a"][-1]
+    finally:
+        handler.close()
+    assert sampled.text == run(greedy, {"b": greedy.validate(body)})["b"][-1].text
+
+
+def test_load_errors_name_the_fix(tmp_path: Path) -> None:
+    handler = load_handler("generate")
+    with pytest.raises(HandlerLoadError, match="generate needs --model DIR"):
+        handler.setup(HandlerContext(device="cpu"))
+    with pytest.raises(HandlerLoadError, match="lacks the tokenizer"):
+        model_dir = build_tiny_causal_lm(tmp_path / "no-tokenizer")
+        for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json"):
+            (model_dir / name).unlink(missing_ok=True)
+        handler.setup(HandlerContext(device="cpu", model=model_dir))
+    with pytest.raises(HandlerLoadError, match="neither a pad token nor an end-of-sequence token"):
+        handler.setup(HandlerContext(device="cpu", model=build_tiny_causal_lm(tmp_path / "no-eos", eos=False)))
+    with pytest.raises(HandlerLoadError, match="unknown handler option"):
+        handler.setup(HandlerContext(device="cpu", model=tmp_path / "no-eos", options={"max_token": 3}))
+
+
+def test_without_a_chat_template_only_prompts_are_served(tmp_path: Path) -> None:
+    handler = load_handler("generate")
+    handler.setup(HandlerContext(device="cpu", model=build_tiny_causal_lm(tmp_path / "plain", chat_template=None)))
+    try:
+        with pytest.raises(InvalidInput, match=re.escape('no chat template: send {"prompt"')):
+            handler.validate({"messages": [{"role": "user", "content": "hi"}]})
+        assert handler.validate({"prompt": "hi"}).token_ids
+    finally:
+        handler.close()
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    ("text", "expected a JSON object"),
+    ({}, 'exactly one of "messages"'),
+    ({"messages": [], "prompt": "x"}, 'exactly one of "messages"'),
+    ({"messages": []}, "non-empty array"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 'messages\\[0\\] must be an object with "role"'),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "reads text only"),
+    ({"prompt": ""}, '"prompt" must be a non-empty string'),
+    ({"prompt": "x" * 11}, "more than 10"),
+    ({"prompt": "x", "max_tokens": 0}, '"max_tokens" must be an integer >= 1'),
+    ({"prompt": "x", "max_tokens": True}, '"max_tokens" must be an integer'),
+    ({"prompt": "x", "temperature": 3}, r'"temperature" must be in \[0, 2\]'),
+    ({"prompt": "x", "top_p": 0}, r'"top_p" must be in \(0, 1\]'),
+    ({"prompt": "x", "stop": ["a"] * 5}, '"stop" must be'),
+    ({"prompt": "x", "stream": "yes"}, '"stream" must be true or false'),
+    ({"prompt": "x", "n": 2}, '"n" must be 1'),
+])
+def test_chat_request_refusals(payload: Any, message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        read_chat_request(payload, max_chars=10)
+
+
+def test_chat_request_reads_openai_fields() -> None:
+    request = read_chat_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                 "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "stop": "END",
+                                 "seed": 3, "stream": True}, max_chars=100)
+    assert request.messages == ({"role": "user", "content": "hi"},)
+    assert (request.max_tokens, request.temperature, request.top_p, request.stop, request.seed, request.stream) == (
+        7, 0.0, 0.5, ("END",), 3, True)
+
+
+def test_embeddings_request() -> None:
+    assert read_embeddings_request({"input": "one"}).texts == ("one",)
+    assert read_embeddings_request({"input": ["a", "b"], "encoding_format": "base64"}).encoding_format == "base64"
+    for bad in ({"input": []}, {"input": [1]}, {"input": "a", "encoding_format": "int8"}):
+        with pytest.raises(InvalidInput):
+            read_embeddings_request(bad)
