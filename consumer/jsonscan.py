@@ -43,8 +43,20 @@ def _without_escapes(value: bytes) -> bytes:
     return value.replace(b"\\\\", b"").replace(b'\\"', b"")
 
 
+_SMALL = 16_384
+"""A value shorter than this makes too few containers (at most ~5,500) for a collection during its parse to cost
+anything, or for its decoded size to matter to the byte budget: the per-record path skips both walks (issue 27)."""
+_WORST_RATIO = 40
+"""The most memory per byte of any shape measured below (a list of empty lists or dicts: 38x), raw bytes included."""
+_TOP_BYTES = 256
+"""A small value's own top-level object (a dict: 232 bytes), which a few bytes of JSON can make."""
+
+
 def loads(value: bytes) -> Any:
-    """``orjson.loads(value)``, with the cyclic garbage collector paused while it runs (``collector_paused``)."""
+    """``orjson.loads(value)``, with the cyclic garbage collector paused while it runs (``collector_paused``) for a
+    value large enough for it to matter."""
+    if len(value) < _SMALL:
+        return orjson.loads(value)
     with collector_paused():
         return orjson.loads(value)
 
@@ -80,7 +92,10 @@ def decoded_bytes(value: bytes) -> int:
     """About what ``value`` (JSON text) holds once decoded into Python objects, and its own bytes, from counts of its
     structural bytes at C speed; never below it for any shape measured. Measured with tracemalloc, raw bytes
     included (estimate in brackets): a list of empty lists 22x its bytes (38x), of empty dicts 25x (38x), of
-    two-character strings 13x (21x), of floats 3.7x (5x), of small ints 5x (20x); ASCII text 2x (2x)."""
+    two-character strings 13x (21x), of floats 3.7x (5x), of small ints 5x (20x); ASCII text 2x (2x). A small value
+    is charged the worst of these ratios instead of being counted: a few KB either way."""
+    if len(value) < _SMALL:
+        return _TOP_BYTES + _WORST_RATIO * len(value)
     text = len(value) if value.isascii() else 4 * len(value)  # one non-ASCII character makes a string 2-4 bytes each
     return (len(value) + text + _CONTAINER_BYTES * (value.count(b"[") + value.count(b"{"))
             + _QUOTE_BYTES * value.count(b'"') + _ELEMENT_BYTES * value.count(b",")
