@@ -205,7 +205,9 @@ def reply_headers(request: Request, now: float) -> Headers:
         headers += request.reply_format.value_headers
     if request.trace is not None:
         headers += request.trace.context_headers()  # the caller's trace goes on from the request's span
-    return headers + _omitted(request)
+    if request.key_omitted is not None:
+        headers += _omitted(request)
+    return headers
 
 
 def reply_value(request: Request) -> bytes:
