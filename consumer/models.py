@@ -190,7 +190,10 @@ class Models:
             model = self._by_name[request.model.name]  # type: ignore[union-attr]  # an ok request is routed
             refusal = model.saturation()
             if refusal is None:
-                model.batcher.put(request, wake=False)  # ``wake`` after the poll's last request
+                if isinstance(model.batcher, Batcher):
+                    model.batcher.put(request, wake=False)  # ``wake`` after the poll's last request
+                else:  # a generative model's engine takes it at once: it batches per decoding step
+                    model.batcher.put(request)
                 return
             request.fail(refusal)
         self.answer_now(request)
@@ -198,7 +201,8 @@ class Models:
     def wake(self) -> None:
         """The poll's requests are all routed: each model's stages look at what waits, once for all of them."""
         for model in self.loaded:
-            model.batcher.wake()
+            if isinstance(model.batcher, Batcher):
+                model.batcher.wake()
 
     def answer_now(self, request: Request) -> None:
         """A request that will not be computed (bad record, expired deadline, refused) goes straight to its reply."""

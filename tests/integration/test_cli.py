@@ -14,6 +14,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from kinference.consumer.broker import free_port
+from kinference.consumer.config import ServiceConfig
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, produce, read
 
@@ -177,7 +178,10 @@ def test_topics_create_takes_a_serve_command_line_sets_topic_configs_and_reports
     assert small.returncode == 2 and "must hold the dead letter of a maximal request" in small.stderr
     large = kinference("topics", "create", *serve_line, "--max-request-bytes", "1500000",
                        "--kafka-producer", "message.max.bytes=2000000")
-    assert large.returncode == 1 and "add --topic-config max.message.bytes=1520480" in large.stderr
+    # What it must hold: the value, its headers and its key, with kinference's own headers.
+    needed = ServiceConfig(max_request_bytes=1_500_000,
+                           kafka_producer={"message.max.bytes": "2000000"}).dead_letter_max_bytes
+    assert large.returncode == 1 and f"add --topic-config max.message.bytes={needed}" in large.stderr
 
 
 def test_healthcheck_follows_the_port_the_service_was_given(broker, unique_id):

@@ -80,8 +80,8 @@ def test_the_wheel_holds_one_top_level_package_and_declares_its_extras(wheel: Pa
     requires = metadata.get_all("Requires-Dist")
     base = {r.split(">")[0] for r in requires if "extra ==" not in r}
     assert base == {"confluent-kafka", "orjson"}
-    assert set(metadata.get_all("Provides-Extra")) == {"serve", "loadgen", "embedded", "onnx", "torchserve",
-                                                               "schema-registry", "otel", "dev"}
+    assert set(metadata.get_all("Provides-Extra")) == {"serve", "generate", "loadgen", "embedded", "onnx", "torchserve",
+                                                       "schema-registry", "otel", "gpu", "dev"}
     assert any(r.startswith("torch") and 'extra == "serve"' in r for r in requires)
     assert metadata["License-Expression"] == "Apache-2.0"
 

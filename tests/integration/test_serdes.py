@@ -14,9 +14,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import orjson
 import pytest
+import yaml
 from confluent_kafka.schema_registry import SchemaRegistryClient
 
 from kinference import protocol
@@ -86,7 +88,29 @@ def _docker() -> str | None:
         result = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
         return "`docker info` did not answer in 30 s"
-    return None if result.returncode == 0 else f"`docker info` failed: {result.stderr.strip()[:200]}"
+    if result.returncode != 0:
+        return f"`docker info` failed: {result.stderr.strip()[:200]}"
+    return _pullable(SCHEMA_REGISTRY_IMAGE, _kafka_image())
+
+
+def _kafka_image() -> str:
+    compose = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "docker-compose.yml").read_text())
+    return compose["services"]["kafka"]["image"]
+
+
+def _pullable(*images: str) -> str | None:
+    """None when each image is there or can be pulled; else why not (a machine whose Docker reaches no registry,
+    as where Docker Hub is not reachable)."""
+    for image in images:
+        if subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=30).returncode == 0:
+            continue
+        try:
+            pulled = subprocess.run(["docker", "pull", "-q", image], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            return f"`docker pull {image}` did not finish in 120 s"
+        if pulled.returncode != 0:
+            return f"`docker pull {image}` failed: {pulled.stderr.strip()[:200]}"
+    return None
 
 
 @contextmanager
