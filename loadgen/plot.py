@@ -69,8 +69,8 @@ def sweep_figure(series: Sequence[tuple[str, Sequence[dict[str, Any]]]],
     latency.set_yscale("log")  # queueing makes latency span orders of magnitude across a sweep
     # Milliseconds as plain numbers (600, not 6x10^2): a sweep within one decade shows only minor ticks, which the
     # log scale's own formatter writes in scientific notation. Which ticks get a label stays the log scale's choice.
-    latency.yaxis.set_major_formatter(LogFormatter())
-    latency.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+    latency.yaxis.set_major_formatter(_PlainLogFormatter())
+    latency.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False))
     for axes, ylabel, name in ((throughput, "replies / s", "Throughput"),
                                (latency, "latency (ms)", "Latency p50 (dashed) and p99")):
         axes.set_xscale("log", base=2)
@@ -87,3 +87,11 @@ def _save(figure: Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     return path
+
+
+class _PlainLogFormatter(LogFormatter):
+    """The log scale's choice of which ticks to label, each label a plain number (matplotlib 3.8's own writes a
+    minor tick past 10,000 as 2e+04)."""
+
+    def __call__(self, x: float, pos: int | None = None) -> str:
+        return f"{x:.10g}" if super().__call__(x, pos) else ""

@@ -13,17 +13,18 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 24):
+    # .ci/lowest-versions.sh runs the unit tests on serve's floor (transformers 4.56): the generate extra's is 5.24.
+    pytest.skip("the generate handler needs transformers >= 5.24 (pip install 'kinference[generate]')",
+                allow_module_level=True)
+
+
 from kinference.errors import HandlerLoadError, InvalidInput
 from kinference.handlers import HandlerContext, load_handler
 from kinference.handlers.generate import GenerateHandler, _held, _Sequence
 from kinference.handlers.generative import Event, Prompt, Sampling
 from kinference.openai import read_chat_request, read_embeddings_request
 from tests.models import build_tiny_causal_lm
-
-if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 24):
-    # .ci/lowest-versions.sh runs the unit tests on serve's floor (transformers 4.56): the generate extra's is 5.24.
-    pytest.skip("the generate handler needs transformers >= 5.24 (pip install 'kinference[generate]')",
-                allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
