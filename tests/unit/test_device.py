@@ -93,11 +93,13 @@ class _Recorder(Handler):
     def __init__(self, gate: threading.Event | None = None) -> None:
         self.batches: list[int] = []
         self.gate = gate
+        self.entered = threading.Event()
 
     def merge(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(inputs)
 
     def inference(self, inputs: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
         if self.gate is not None:
             self.gate.wait(10)
         if (inputs == -1).any():
@@ -109,6 +111,20 @@ class _Recorder(Handler):
 def _server(tmp_path: Path, handler: Handler, max_rows: int = 64) -> DeviceServer:
     return DeviceServer({"m": handler}, tmp_path / "device.sock", DeviceBatching(max_rows),
                         DeviceMetrics(0, CollectorRegistry())).start()
+
+
+def _queued_behind_one(server: DeviceServer, handler: _Recorder, calls: list[threading.Thread]) -> None:
+    """The first call holds the device (in the handler, behind its gate) while the others queue up; then the gate
+    opens and every call ends."""
+    assert handler.gate is not None
+    calls[0].start()
+    assert handler.entered.wait(10)
+    for call in calls[1:]:
+        call.start()
+    assert wait_for(lambda: server.waiting == len(calls) - 1, timeout_s=10)
+    handler.gate.set()
+    for call in calls:
+        call.join(10)
 
 
 def test_micro_batches_of_several_threads_run_as_one_device_batch_and_come_back_to_their_own(tmp_path: Path) -> None:
@@ -123,17 +139,8 @@ def test_micro_batches_of_several_threads_run_as_one_device_batch_and_come_back_
 
     try:
         link.wait_ready()
-        # The first call holds the device while the others queue up: they are merged into one batch.
-        threads = [threading.Thread(target=call, args=(index,)) for index in range(5)]
-        threads[0].start()
-        assert wait_for(lambda: not server.waiting and len(server._jobs) == 0, timeout_s=10)
-        time.sleep(0.2)  # the first call is in the handler, holding the device
-        for thread in threads[1:]:
-            thread.start()
-        assert wait_for(lambda: server.waiting == 4, timeout_s=10)
-        gate.set()
-        for thread in threads:
-            thread.join(10)
+        # The four calls that queue behind the first are merged into one batch.
+        _queued_behind_one(server, handler, [threading.Thread(target=call, args=(index,)) for index in range(5)])
         assert {index: result.tolist() for index, result in results.items()} == {
             index: [[2.0 * index] * 3] * 4 for index in range(5)}
         assert handler.batches == [4, 16]
@@ -156,15 +163,8 @@ def test_a_failing_micro_batch_fails_alone_in_a_merged_batch(tmp_path: Path) -> 
             outcomes[index] = exc
 
     try:
-        threads = [threading.Thread(target=call, args=(index,)) for index in range(4)]
-        threads[0].start()
-        time.sleep(0.2)  # the first call is in the handler, holding the device
-        for thread in threads[1:]:
-            thread.start()
-        assert wait_for(lambda: server.waiting == 3, timeout_s=10)
-        gate.set()
-        for thread in threads:
-            thread.join(10)
+        _queued_behind_one(server, handler, [threading.Thread(target=call, args=(index,)) for index in range(4)])
+        assert handler.batches == [2, 2, 2]  # the merged batch of 1, 2 and 3 failed: each ran again alone
         assert isinstance(outcomes[2], DeviceError) and "a poison row" in str(outcomes[2])
         assert all(outcomes[index].tolist() == [[2.0 * index]] * 2 for index in (0, 1, 3))
     finally:
