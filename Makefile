@@ -31,7 +31,7 @@ TORCH_SOURCE = $(if $(TORCH_INDEX_URL),$(if $(shell $(PYTHON) -c 'import sys, ur
 	urllib.request.urlopen(sys.argv[1], timeout=15)' '$(TORCH_INDEX_URL)/' >/dev/null 2>&1 && echo up),\
 	--index-url $(TORCH_INDEX_URL),$(warning $(TORCH_INDEX_URL) cannot be reached; torch comes from pip's own configuration)))
 
-.PHONY: install demo test test-tansu test-kafka test-docker test-lowest lint clean
+.PHONY: install demo test test-tansu test-kafka test-docker test-lowest lint typecheck clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -75,5 +75,13 @@ test-lowest:
 lint: $(STAMP)
 	$(BIN)/ruff check kinference consumer handlers loadgen tests
 
+# mypy, strict on consumer/ and handlers/ ([tool.mypy]), on a tree of links with the installed layout: the folders at
+# the top of the repository are kinference.consumer, kinference.handlers... (pyproject's package-dir).
+typecheck: $(STAMP)
+	rm -rf .typecheck && mkdir -p .typecheck/kinference
+	ln -s ../../kinference/*.py .typecheck/kinference/
+	for d in consumer handlers loadgen; do ln -s ../../$$d .typecheck/kinference/$$d; done
+	cd .typecheck && ../$(BIN)/python -m mypy --config-file ../pyproject.toml -p kinference.consumer -p kinference.handlers
+
 clean:
-	rm -rf $(VENV) .venv-lowest kinference-demo-output .pytest_cache
+	rm -rf $(VENV) .venv-lowest kinference-demo-output .pytest_cache .typecheck
