@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kinference loadgen",
         description="Send requests to kinference through Kafka and measure replies.",
-        epilog="Closed loop: --concurrency C. Open loop: --rate R. Sweep: --sweep-concurrency 1,4,16,64.",
+        epilog="Closed loop: --concurrency C. Open loop: --rate R. Sweep: --sweep-concurrency 1,4,16,64. "
+               "A generative model (--handler generate): add --generative.",
     )
     kafka = parser.add_argument_group("Kafka")
     kafka.add_argument("--bootstrap-servers", default=os.environ.get(BOOTSTRAP_SERVERS_ENV, "127.0.0.1:9092"),
@@ -52,13 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--requests", type=int, help="measured requests per run")
     load.add_argument("--duration", type=float, help="measured seconds per run (default: 10)")
     load.add_argument("--warmup", type=float, default=1.0, help="seconds of unmeasured load first (default: 1)")
-    load.add_argument("--timeout", type=float, default=10.0,
-                      help="seconds to wait for a reply before counting the request lost (default: 10)")
+    load.add_argument("--timeout", type=float,
+                      help="seconds to wait for a reply before counting the request lost (default: 10; "
+                           "--generative: 60)")
     load.add_argument("--payloads", type=Path,
                       help="JSON-lines file, one request value per line (default: built-in text corpus)")
-    load.add_argument("--corpus", choices=sorted(PROFILES), default="mixed",
-                      help="length mix of the built-in corpus: mixed (queries to long passages, default) "
-                           "or short (queries and sentences)")
+    load.add_argument("--corpus", choices=sorted(PROFILES),
+                      help="length mix of the built-in corpus: mixed (queries to long passages, the default) "
+                           "or short (queries and sentences, the default of --generative)")
+    generation = parser.add_argument_group("generative models")
+    generation.add_argument("--generative", action="store_true",
+                            help="stream each request (an OpenAI chat-completions body, or {\"prompt\": ...}) and "
+                                 "measure tokens/s, time to first chunk and between chunks")
+    generation.add_argument("--max-tokens", type=int, default=GENERATION_MAX_TOKENS,
+                            help="--generative: max_tokens of each request that sets none "
+                                 f"(default: {GENERATION_MAX_TOKENS})")
     load.add_argument("--seed", type=int, default=0, help="seed of the corpus and Poisson arrivals")
     output = parser.add_argument_group("output")
     output.add_argument("--out", type=Path, help="write the JSON report here")
@@ -76,7 +85,10 @@ def main(argv: list[str]) -> int:
     try:
         plan = _plan(args)
         kafka = kafka_properties(args.kafka)
-        payloads = read_jsonl(args.payloads) if args.payloads else builtin_corpus(args.corpus, seed=args.seed)
+        payloads = read_jsonl(args.payloads) if args.payloads else builtin_corpus(
+            args.corpus or ("short" if args.generative else "mixed"), seed=args.seed)
+        if args.generative:
+            payloads = generation_requests(payloads, args.max_tokens)
         compare = [_read_sweep(path) for path in args.compare]
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
@@ -160,8 +172,31 @@ def _plan(args: argparse.Namespace) -> LoadPlan:
     concurrency = args.sweep_concurrency[0] if args.sweep_concurrency else args.concurrency
     if concurrency is None and args.rate is None:
         concurrency = 1
+    timeout = args.timeout if args.timeout is not None else 60.0 if args.generative else 10.0
     return LoadPlan(concurrency=concurrency, rate=args.rate, arrivals=args.arrivals, requests=args.requests,
-                    duration_s=args.duration, warmup_s=args.warmup, timeout_s=args.timeout, seed=args.seed)
+                    duration_s=args.duration, warmup_s=args.warmup, timeout_s=timeout, seed=args.seed,
+                    generative=args.generative)
+
+
+GENERATION_MAX_TOKENS = 64
+
+
+def generation_requests(payloads: Sequence[Any], max_tokens: int) -> list[dict[str, Any]]:
+    """The generation requests of ``--generative``: the built-in corpus's ``{"text": ...}`` become prompts, and every
+    body without ``max_tokens`` (or ``max_completion_tokens``) gets ``max_tokens``. ValueError for a payload that is
+    not a JSON object (a streamed request is one)."""
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
+    requests = []
+    for index, payload in enumerate(payloads):
+        if not isinstance(payload, dict):
+            raise ValueError(f"--generative sends JSON objects (chat-completions bodies); payload {index} is "
+                             f"{type(payload).__name__}")
+        body = {"prompt": payload["text"]} if payload.keys() == {"text"} else payload
+        if "max_tokens" not in body and "max_completion_tokens" not in body:
+            body = {**body, "max_tokens": max_tokens}
+        requests.append(body)
+    return requests
 
 
 def concurrency_list(text: str) -> list[int]:

@@ -19,7 +19,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
@@ -32,7 +32,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from kinference.loadgen.errors import ClientClosed, ClientError, DeliveryFailed, RequestTimeout, TooManyPending
 from kinference.loadgen.pending import ClientStats, Pending, PendingTable, settle
 from kinference.loadgen.reply import Reply
-from kinference.loadgen.stream import Stream
+from kinference.loadgen.stream import Received, Stream
 from kinference.protocol import (
     BOOTSTRAP_SERVERS_ENV,
     CORRELATION_ID,
@@ -107,8 +107,8 @@ class Client:
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         self._routing: list[tuple[str, bytes]] = []
-        self._streams: dict[str, queue.Queue[Any]] = {}
-        """The records of each streamed request (``stream``), by correlation id, until its final."""
+        self._streams: dict[str, Callable[[Received], None]] = {}
+        """Where the records of each streamed request go (``stream``), by correlation id, until its final."""
         self._stopping = threading.Event()
         self._reader: threading.Thread | None = None
 
@@ -227,12 +227,28 @@ class Client:
         """Send a generation request (an OpenAI chat-completions body, sent with ``"stream": true``) and return its
         ``Stream``: iterate for the deltas, in order, duplicates dropped, restarted when the request is generated
         again; ``StreamGap`` when a chunk is missing. ``Stream.completion`` is the final ``chat.completion``."""
+        records: queue.Queue[Received] = queue.Queue()
+        return self._open_stream(value, key, headers, self._deadline(timeout_s), (records, records.put))
+
+    async def stream_async(self, value: dict[str, Any], *, key: bytes | str | None = None,
+                           timeout_s: float | None = None, headers: Iterable[tuple[str, bytes]] = ()) -> Stream:
+        """``stream`` for asyncio: read the returned ``Stream`` with ``async for``; never blocks the event loop."""
         deadline = self._deadline(timeout_s)
-        correlation_id = uuid.uuid4().hex
-        records: queue.Queue[Any] = queue.Queue()
-        self._streams[correlation_id] = records  # before the request exists: no record of it can come earlier
+        records: asyncio.Queue[Received] = asyncio.Queue()
+        channel = (records, partial(_put_threadsafe, asyncio.get_running_loop(), records))
         try:
-            self._send_as(correlation_id, {**value, "stream": True}, key, headers, (deadline, True))
+            return self._open_stream(value, key, headers, deadline, channel, block=False)
+        except TooManyPending:
+            return await asyncio.to_thread(self._open_stream, value, key, headers, deadline, channel)
+
+    def _open_stream(self, value: dict[str, Any], key: bytes | str | None, headers: Iterable[tuple[str, bytes]],
+                     deadline: float, channel: tuple[Any, Callable[[Received], None]], block: bool = True) -> Stream:
+        """``channel``: the stream's queue, and how the reader thread puts a record in it."""
+        correlation_id = uuid.uuid4().hex
+        records, put = channel
+        self._streams[correlation_id] = put  # before the request exists: no record of it can come earlier
+        try:
+            self._send_as(correlation_id, {**value, "stream": True}, key, headers, (deadline, block))
         except BaseException:
             self._streams.pop(correlation_id, None)
             raise
@@ -308,9 +324,9 @@ class Client:
             log.log(logging.DEBUG if unused_group else logging.WARNING, "reply consumer: %s", record.error())
             return
         correlation_id = _correlation_id(record)
-        records = self._streams.get(correlation_id) if correlation_id else None
-        if records is not None:
-            records.put(record)
+        put = self._streams.get(correlation_id) if correlation_id else None
+        if put is not None:
+            put((record, received_at))
             if _is_chunk(record):
                 return  # the final, or an error reply, ends the request
             self._streams.pop(correlation_id, None)  # type: ignore[arg-type]
@@ -361,6 +377,14 @@ class Client:
 _LEADER_MOVING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
                   KafkaError.UNKNOWN_TOPIC_OR_PART}
 """What a broker answers while a partition's leader is being elected (just after the topic's creation)."""
+
+
+def _put_threadsafe(loop: asyncio.AbstractEventLoop, records: asyncio.Queue[Received], item: Received) -> None:
+    """From the reader thread into an event loop's queue; dropped when that loop has closed (its caller is gone)."""
+    try:
+        loop.call_soon_threadsafe(records.put_nowait, item)
+    except RuntimeError:
+        pass
 
 
 def _is_chunk(record: Any) -> bool:

@@ -2,7 +2,9 @@
 
 Public keys (docs and other tools rely on them): ``sent``, ``ok``, ``errors`` (code -> count),
 ``lost``, ``duplicates``, ``throughput_rps``, ``latency_ms`` (``p50``, ``p90``, ``p99``, ``p999``,
-``max``); a sweep report holds them per step in ``runs``, each with its ``concurrency``.
+``max``); a sweep report holds them per step in ``runs``, each with its ``concurrency``. A generative run (``loadgen
+--generative``) adds ``generation``: ``tokens``, ``tokens_per_s``, ``ttfc_ms`` (time to first chunk),
+``between_chunks_ms``, ``finished``, ``aborted``, ``finish_reasons`` (reason -> count) and ``restarts``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,15 @@ class Sample:
     batch_size: int | None = None
     inference_ms: float | None = None
     service_ms: float | None = None
+    first_chunk_ms: float | None = None
+    """A generation: from sending (open loop: from when it was due) to its first delta."""
+    chunk_gaps_ms: tuple[float, ...] = ()
+    """A generation: the time between each delta and the next, of the attempt that answered."""
+    tokens: int | None = None
+    """A generation: the tokens it generated (the final's ``usage.completion_tokens``)."""
+    finish_reason: str | None = None
+    restarts: int = 0
+    """A generation: how often it started over under a new attempt (its partition moved)."""
 
     @property
     def answered(self) -> bool:
@@ -54,9 +65,10 @@ def percentiles(values: Iterable[float]) -> dict[str, float | None]:
 
 
 def build_report(samples: Sequence[Sample], *, duplicates: int = 0, late: int = 0,
-                 settings: dict[str, Any] | None = None) -> dict[str, Any]:
+                 settings: dict[str, Any] | None = None, generative: bool = False) -> dict[str, Any]:
     """The report of one run. ``throughput_rps`` counts replies (ok and error) per second from the
-    start of the measured phase to the last reply; ``goodput_rps`` counts ok replies only."""
+    start of the measured phase to the last reply; ``goodput_rps`` counts ok replies only. ``generative``: with
+    ``generation_figures``."""
     answered = [sample for sample in samples if sample.answered]
     window_s = max((sample.received_s or 0.0 for sample in answered), default=0.0)
     ok = sum(sample.outcome == "ok" for sample in samples)
@@ -75,6 +87,29 @@ def build_report(samples: Sequence[Sample], *, duplicates: int = 0, late: int = 
         "goodput_rps": _rate(ok, window_s),
         "latency_ms": percentiles(sample.latency_ms for sample in answered),  # type: ignore[misc]
         "server": server_figures(answered),
+        **({"generation": generation_figures(samples, window_s)} if generative else {}),
+    }
+
+
+ABORTED = frozenset({"deadline", "cancelled"})
+"""The finish reasons of a generation stopped before its end (kinference's own, beside OpenAI's stop and length)."""
+
+
+def generation_figures(samples: Sequence[Sample], window_s: float) -> dict[str, Any]:
+    """Tokens per second (every answered generation's tokens over the same window as ``throughput_rps``), time to
+    first chunk and between chunks (nearest-rank percentiles over every gap of every request), and how the
+    generations ended: ``finished`` (``stop`` or ``length``), ``aborted`` (``deadline`` or ``cancelled``)."""
+    tokens = sum(sample.tokens or 0 for sample in samples)
+    reasons = Counter(sample.finish_reason for sample in samples if sample.finish_reason is not None)
+    return {
+        "tokens": tokens,
+        "tokens_per_s": _rate(tokens, window_s),
+        "ttfc_ms": percentiles(s.first_chunk_ms for s in samples if s.first_chunk_ms is not None),
+        "between_chunks_ms": percentiles(gap for sample in samples for gap in sample.chunk_gaps_ms),
+        "finished": sum(n for reason, n in reasons.items() if reason not in ABORTED),
+        "aborted": sum(n for reason, n in reasons.items() if reason in ABORTED),
+        "finish_reasons": dict(sorted(reasons.items())),
+        "restarts": sum(sample.restarts for sample in samples),
     }
 
 

@@ -5,6 +5,10 @@ is answered (like ``ab -c``). Open loop (``rate``): requests are due at constant
 intervals whatever the replies do, and latency counts from when a request was *due*, so a sender
 that falls behind does not hide queueing (no coordinated omission). Requests sent during the
 warm-up are not measured.
+
+A generative plan (``generative``) sends each request with ``Client.stream_async`` and reads its chunk records as
+they come: its latency is the whole generation's, and its sample adds the time to the first chunk, the times between
+chunks, the tokens and the finish reason.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+import numpy as np
+
 from kinference.loadgen.client import Client
-from kinference.loadgen.errors import DeliveryFailed, RequestTimeout, TooManyPending
+from kinference.loadgen.errors import DeliveryFailed, ReplyError, RequestTimeout, TooManyPending
 from kinference.loadgen.live import LiveStats, ProgressView
-from kinference.loadgen.report import Outcome, Sample, build_report
+from kinference.loadgen.report import Sample, build_report
+from kinference.loadgen.stream import StreamGap
 
 _TICK_S = 0.25
 
@@ -38,6 +45,8 @@ class LoadPlan:
     warmup_s: float = 1.0
     timeout_s: float = 10.0
     seed: int = 0
+    generative: bool = False
+    """Stream each request (an OpenAI chat-completions body) and measure its chunks."""
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.rate is None):
@@ -75,7 +84,7 @@ class RunResult:
 
     def report(self) -> dict[str, Any]:
         return build_report(self.samples, duplicates=self.duplicates, late=self.late,
-                            settings=self.plan.settings())
+                            settings=self.plan.settings(), generative=self.plan.generative)
 
 
 async def run_load(client: Client, plan: LoadPlan, payloads: Sequence[Any],
@@ -169,25 +178,49 @@ class _Run:
     async def _one(self, due: float, measured: bool) -> None:
         """Send one request; a measured one leaves a ``Sample``. Every await is bounded by the timeout."""
         self.live.on_sent()
-        outcome: Outcome
+        sent_s = due - self.measured_from
+        payload = next(self._payloads)
         try:
-            reply = await self.client.request_async(next(self._payloads), timeout_s=self.plan.timeout_s)
+            sample = await (self._generate(payload, due, sent_s) if self.plan.generative
+                            else self._request(payload, due, sent_s))
         except (RequestTimeout, TooManyPending):
-            outcome, reply = "lost", None
+            sample = Sample(sent_s, "lost")
         except DeliveryFailed:
-            outcome, reply = "send_failed", None
-        else:
-            outcome = "ok" if reply.ok else "error"
-        latency_ms = None if reply is None else (reply.received_at - due) * 1000
-        self.live.on_done(time.monotonic(), latency_ms)
-        if not measured:
-            return
-        sample = Sample(due - self.measured_from, outcome, latency_ms)
-        if reply is not None:
-            sample = replace(sample, error_code=reply.error_code, queue_ms=reply.queue_ms,
-                             batch_size=reply.batch_size, inference_ms=reply.inference_ms,
-                             service_ms=reply.service_ms)
-        self.samples.append(sample)
+            sample = Sample(sent_s, "send_failed")
+        self.live.on_done(time.monotonic(), sample.latency_ms)
+        if measured:
+            self.samples.append(sample)
+
+    async def _request(self, payload: Any, due: float, sent_s: float) -> Sample:
+        reply = await self.client.request_async(payload, timeout_s=self.plan.timeout_s)
+        return Sample(sent_s, "ok" if reply.ok else "error", (reply.received_at - due) * 1000,
+                      error_code=reply.error_code, queue_ms=reply.queue_ms, batch_size=reply.batch_size,
+                      inference_ms=reply.inference_ms, service_ms=reply.service_ms)
+
+    async def _generate(self, payload: Any, due: float, sent_s: float) -> Sample:
+        """One streamed generation: the arrival time of each delta of the attempt that answers, and its final."""
+        stream = await self.client.stream_async(payload, timeout_s=self.plan.timeout_s)
+        arrivals: list[float] = []
+        restarts = 0
+        try:
+            async for delta in stream:
+                if delta.restart:
+                    arrivals.clear()
+                    restarts += 1
+                arrivals.append(delta.received_at)
+        except ReplyError as exc:
+            return Sample(sent_s, "error", (exc.reply.received_at - due) * 1000, error_code=exc.code,
+                          restarts=restarts)
+        except StreamGap:
+            return Sample(sent_s, "error", (time.monotonic() - due) * 1000, error_code="stream_gap",
+                          restarts=restarts)
+        completion = stream.completion or {}
+        return Sample(sent_s, "ok", ((stream.completed_at or time.monotonic()) - due) * 1000,
+                      first_chunk_ms=(arrivals[0] - due) * 1000 if arrivals else None,
+                      chunk_gaps_ms=tuple(float(gap) * 1000 for gap in np.diff(arrivals)),
+                      tokens=completion.get("usage", {}).get("completion_tokens"),
+                      finish_reason=completion["choices"][0].get("finish_reason") if completion else None,
+                      restarts=restarts)
 
     async def tick(self, view: ProgressView, label: str) -> None:
         while True:

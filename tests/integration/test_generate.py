@@ -130,3 +130,33 @@ def test_the_control_reader_hands_over_each_cancel_from_every_partition(broker):
     finally:
         reader.stop()
     assert sorted(seen) == [f"c{i}" for i in range(6)]
+
+
+def test_loadgen_generative_reports_tokens_time_to_first_chunk_and_finished_counts(broker, tmp_path):
+    """``kinference loadgen --generative`` against a generate service: every generation finished, with its tokens,
+    time to first chunk and times between chunks in the report and the plot."""
+    from kinference.loadgen import cli
+
+    topics = broker.topics(requests=2, replies=2, dead=1)
+    config = service_config(broker.bootstrap_servers, topics, handler="generate",
+                            model=build_tiny_causal_lm(tmp_path / "lm"),
+                            handler_options={"decoding": "greedy"}, stream_every_tokens=2)
+    out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    with Service(config) as service:
+        assert service.wait_ready(60)
+        assert cli.main(["--bootstrap-servers", broker.bootstrap_servers, "--request-topic", topics["requests"],
+                         "--reply-topic", topics["replies"], "--no-progress", "--kafka", "fetch.wait.max.ms=10",
+                         "--generative", "--max-tokens", "8", "--sweep-concurrency", "1,4", "--requests", "8",
+                         "--warmup", "0.5", "--out", str(out), "--plot", str(plot)]) == 0
+    runs = orjson.loads(out.read_bytes())["runs"]
+    assert [run["concurrency"] for run in runs] == [1, 4]
+    for run in runs:
+        generation = run["generation"]
+        assert run["ok"] == run["sent"] == 8 and run["lost"] == 0
+        assert (generation["finished"], generation["aborted"]) == (8, 0)
+        assert set(generation["finish_reasons"]) <= {"stop", "length"} and generation["restarts"] == 0
+        assert 8 <= generation["tokens"] <= 8 * 8 and generation["tokens_per_s"] > 0
+        ttfc, gaps = generation["ttfc_ms"], generation["between_chunks_ms"]
+        assert 0 < ttfc["p50"] <= ttfc["max"] < run["latency_ms"]["max"]
+    assert any(run["generation"]["between_chunks_ms"]["p50"] for run in runs)  # chunks of 2 tokens: several a request
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

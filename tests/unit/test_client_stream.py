@@ -29,7 +29,7 @@ def final(attempt: str, sequence: int, text: str) -> FakeRecord:
 def stream_of(*records: FakeRecord, timeout_s: float = 5.0) -> Stream:
     inbox: queue.Queue = queue.Queue()
     for record in records:
-        inbox.put(record)
+        inbox.put((record, time.monotonic()))
     return Stream(inbox, time.monotonic() + timeout_s, "c", time.monotonic(), lambda: None)
 
 
