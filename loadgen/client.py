@@ -13,6 +13,7 @@ producer's delivery reports; callers on any thread or event loop only produce an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import random
@@ -381,10 +382,8 @@ _LEADER_MOVING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVA
 
 def _put_threadsafe(loop: asyncio.AbstractEventLoop, records: asyncio.Queue[Received], item: Received) -> None:
     """From the reader thread into an event loop's queue; dropped when that loop has closed (its caller is gone)."""
-    try:
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(records.put_nowait, item)
-    except RuntimeError:
-        pass
 
 
 def _is_chunk(record: Any) -> bool:

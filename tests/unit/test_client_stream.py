@@ -65,3 +65,35 @@ def test_an_error_reply_raises_reply_error_and_silence_times_out() -> None:
         list(stream_of(error))
     with pytest.raises(RequestTimeout):
         list(stream_of(chunk("a", 0, "x"), timeout_s=0.2))
+
+
+def test_async_for_reads_an_asyncio_queue_and_each_delta_keeps_its_arrival_time() -> None:
+    import asyncio
+
+    async def read() -> tuple[list, Stream]:
+        inbox: asyncio.Queue = asyncio.Queue()
+        for at, record in ((1.0, chunk("a", 0, "he")), (2.0, chunk("a", 1, "llo")), (3.0, final("a", 2, "hello"))):
+            inbox.put_nowait((record, at))
+        stream = Stream(inbox, time.monotonic() + 5, "c", 0.0, lambda: None)
+        return [delta async for delta in stream], stream
+
+    deltas, stream = asyncio.run(read())
+    assert [(delta.text, delta.received_at) for delta in deltas] == [("he", 1.0), ("llo", 2.0)]
+    assert stream.completed_at == 3.0
+    with pytest.raises(TypeError, match="async for"):
+        list(stream)
+
+
+def test_async_for_times_out_without_a_final() -> None:
+    import asyncio
+
+    forgotten = []
+
+    async def read() -> None:
+        stream = Stream(asyncio.Queue(), time.monotonic() + 0.05, "c", 0.0, lambda: forgotten.append(True))
+        async for _ in stream:
+            pass
+
+    with pytest.raises(RequestTimeout):
+        asyncio.run(read())
+    assert forgotten == [True]

@@ -69,3 +69,24 @@ def test_a_malformed_kinference_kafka_is_refused_without_echoing_it():
     with pytest.raises(ValueError, match="KINFERENCE_KAFKA: expected key=value") as raised:
         kafka_properties([], {"KINFERENCE_KAFKA": "sasl.password:S3cret"})
     assert "S3cret" not in str(raised.value)
+
+
+def test_generative_requests_from_the_corpus_or_a_file():
+    from kinference.loadgen.cli import generation_requests
+
+    bodies = generation_requests([{"text": "kafka is"}, {"messages": [{"role": "user", "content": "hi"}]},
+                                  {"prompt": "x", "max_completion_tokens": 3}], 16)
+    assert bodies == [{"prompt": "kafka is", "max_tokens": 16},
+                      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16},
+                      {"prompt": "x", "max_completion_tokens": 3}]
+    with pytest.raises(ValueError, match="JSON objects"):
+        generation_requests(["plain text"], 16)
+    with pytest.raises(ValueError, match="--max-tokens"):
+        generation_requests([{"text": "a"}], 0)
+
+
+def test_generative_plan_streams_and_waits_longer_by_default():
+    plan = _plan(parse("--generative", "--concurrency", "4"))
+    assert plan.generative and plan.timeout_s == 60.0
+    assert _plan(parse("--generative", "--timeout", "5")).timeout_s == 5.0
+    assert not _plan(parse()).generative and _plan(parse()).timeout_s == 10.0

@@ -52,3 +52,33 @@ def test_sweep_latency_axis_reads_plain_milliseconds():
     shown = [label for label in labels if label]
     assert shown, "the latency axis has labelled ticks"
     assert all(re.fullmatch(r"\d+(\.\d+)?", label) for label in shown), shown
+
+
+def generations(n: int = 200) -> list[Sample]:
+    rng = random.Random(1)
+    return [Sample(i / 50, "ok", rng.uniform(200, 400), first_chunk_ms=rng.lognormvariate(3, 0.3),
+                   chunk_gaps_ms=tuple(rng.uniform(5, 20) for _ in range(6)), tokens=32, finish_reason="length")
+            for i in range(n)] + [Sample(4.1, "lost")]
+
+
+def test_a_generative_run_plot_shows_time_to_first_chunk_and_between_chunks(tmp_path, monkeypatch):
+    from kinference.loadgen import plot
+
+    drawn = []
+    original = plot._histogram
+    monkeypatch.setattr(plot, "_histogram", lambda axes, values, measure, counted: (
+        drawn.append((measure, len(values))), original(axes, values, measure, counted)))
+    path = plot_run(generations(), tmp_path / "generative.png")
+    assert path.read_bytes().startswith(PNG)
+    assert drawn == [("time to first chunk", 200), ("time between chunks", 200 * 6)]
+
+
+def test_a_generative_sweep_plots_tokens_per_second_and_chunk_times(tmp_path):
+    from kinference.loadgen.plot import GENERATION_PANELS
+
+    runs = [{**build_report(generations(20), generative=True), "concurrency": c} for c in (1, 8, 32)]
+    figure = sweep_figure([("continuous batching", runs)], panels=GENERATION_PANELS)
+    assert [axes.get_title() for axes in figure.axes] == [panel.title for panel in GENERATION_PANELS]
+    tokens = figure.axes[0].get_lines()[0].get_ydata()
+    assert list(tokens) == [run["generation"]["tokens_per_s"] for run in runs]
+    assert plot_sweep([("continuous batching", runs)], tmp_path / "sweep.png").read_bytes().startswith(PNG)

@@ -69,3 +69,46 @@ def test_empty_and_all_lost_runs_report_zero_throughput():
     report = build_report([Sample(0, "lost")] * 5)
     assert (report["sent"], report["lost"], report["throughput_rps"]) == (5, 5, 0.0)
     assert report["latency_ms"]["p99"] is None
+
+
+def test_generation_figures_count_tokens_chunks_and_how_generations_ended():
+    samples = [Sample(0.0, "ok", 100.0, first_chunk_ms=10.0, chunk_gaps_ms=(5.0, 7.0), tokens=8,
+                      finish_reason="length"),
+               Sample(0.1, "ok", 60.0, first_chunk_ms=30.0, chunk_gaps_ms=(9.0,), tokens=3, finish_reason="stop",
+                      restarts=1),
+               Sample(0.2, "ok", 150.0, first_chunk_ms=20.0, tokens=2, finish_reason="deadline"),
+               Sample(0.3, "error", 5.0, error_code="handler_error"),
+               Sample(0.4, "lost")]
+    report = build_report(samples, generative=True)
+    generation = report["generation"]
+    assert report["window_s"] == 0.35  # the last reply: sent at 0.2 s, 150 ms long
+    assert generation["tokens"] == 13 and generation["tokens_per_s"] == round(13 / 0.35, 3)
+    assert (generation["ttfc_ms"]["p50"], generation["ttfc_ms"]["max"]) == (20.0, 30.0)
+    assert (generation["between_chunks_ms"]["p50"], generation["between_chunks_ms"]["max"]) == (7.0, 9.0)
+    assert (generation["finished"], generation["aborted"], generation["restarts"]) == (2, 1, 1)
+    assert generation["finish_reasons"] == {"deadline": 1, "length": 1, "stop": 1}
+    assert "generation" not in build_report(samples), "a batch run's report keeps its keys"
+
+
+def test_generation_figures_of_nothing_answered():
+    generation = build_report([Sample(0.0, "lost")], generative=True)["generation"]
+    assert (generation["tokens"], generation["tokens_per_s"], generation["finished"]) == (0, 0.0, 0)
+    assert generation["ttfc_ms"]["p50"] is None and generation["between_chunks_ms"]["p50"] is None
+
+
+def test_tables_show_the_generation_figures():
+    from rich.console import Console
+
+    from kinference.loadgen.tables import run_table, sweep_table
+
+    samples = [Sample(0.0, "ok", 100.0, first_chunk_ms=12.5, chunk_gaps_ms=(5.0,), tokens=8, finish_reason="length"),
+               Sample(0.1, "ok", 90.0, first_chunk_ms=14.0, tokens=8, finish_reason="cancelled")]
+    report = {**build_report(samples, generative=True), "concurrency": 2}
+    console = Console(width=200, record=True)
+    console.print(run_table(report))
+    console.print(sweep_table([report]))
+    text = console.export_text()
+    for shown in ("finished / aborted", "1 / 1", "cancelled:1  length:1", "16 (", "tokens/s",
+                  "first chunk p50 / p90 / p99", "12.5 / 14.0 / 14.0 ms", "between chunks", "ttfc p50", "gap p99"):
+        assert shown in text, shown
+    assert "batch size" not in text, "a generation has no batch"

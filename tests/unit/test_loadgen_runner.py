@@ -17,6 +17,8 @@ from kinference.loadgen.live import LINE_WIDTH, LiveStats, ProgressView
 from kinference.loadgen.pending import ClientStats
 from kinference.loadgen.reply import Reply
 from kinference.loadgen.runner import LoadPlan, run_load, run_sweep
+from kinference.loadgen.stream import Stream
+from tests.fakes import FakeRecord
 
 
 class FakeClient:
@@ -143,3 +145,67 @@ def test_progress_line_fits_76_columns_with_its_elapsed_time():
     line = [line for line in lines if "sent" in line][-1]  # the last refresh
     assert "…" not in line and re.search(r"\d:\d\d:\d\d$", line), line
     assert len(line) <= LINE_WIDTH and "12345" in line and "1234.5ms" in line, line
+
+
+class FakeGenerator(FakeClient):
+    """Streams each generation as two chunks 10 ms apart and then its final (``usage`` of 4 tokens); every
+    ``restart_every``-th starts over under a new attempt after its first chunk, every ``abort_every``-th ends with
+    ``finish_reason`` ``deadline``, every ``error_every``-th is an error reply."""
+
+    def __init__(self, restart_every: int = 0, abort_every: int = 0, **options) -> None:
+        super().__init__(**options)
+        self.restart_every, self.abort_every = restart_every, abort_every
+        self.tasks: set[asyncio.Task] = set()
+
+    async def stream_async(self, value, *, timeout_s: float) -> Stream:
+        self.sent.append(value)
+        n = len(self.sent)
+        records: asyncio.Queue = asyncio.Queue()
+        task = asyncio.create_task(self._generate(n, records))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return Stream(records, time.monotonic() + timeout_s, str(n), time.monotonic(), lambda: None)
+
+    async def _generate(self, n: int, records: asyncio.Queue) -> None:
+        steps = [("a", 0, "delta"), ("a", 1, "delta"), ("a", 2, "final")]
+        if self.restart_every and n % self.restart_every == 0:
+            steps = [("a", 0, "delta"), *(("b", *step[1:]) for step in steps)]
+        if self.error_every and n % self.error_every == 0:
+            steps = [("a", 0, "error")]
+        reason = "deadline" if self.abort_every and n % self.abort_every == 0 else "length"
+        for attempt, sequence, event in steps:
+            await asyncio.sleep(0.01)
+            records.put_nowait((_generation_record(attempt, sequence, event, reason), time.monotonic()))
+
+
+def _generation_record(attempt: str, sequence: int, event: str, reason: str) -> FakeRecord:
+    headers = [(protocol.CORRELATION_ID, b"c"), (protocol.SEQUENCE, str(sequence).encode()),
+               (protocol.ATTEMPT, attempt.encode())]
+    if event == "error":
+        return FakeRecord(protocol.encode_error(protocol.ErrorCode.HANDLER_ERROR, "engine failed"),
+                          [*headers, (protocol.STATUS, b"error"), (protocol.ERROR_CODE, b"handler_error")])
+    if event == "delta":
+        value = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "ab"}}]}
+    else:
+        value = {"object": "chat.completion", "usage": {"completion_tokens": 4},
+                 "choices": [{"index": 0, "message": {"content": "abab"}, "finish_reason": reason}]}
+    return FakeRecord(orjson.dumps(value), [*headers, (protocol.EVENT, event.encode())])
+
+
+def test_a_generative_run_measures_chunks_tokens_and_how_each_generation_ended():
+    client = FakeGenerator(restart_every=3, abort_every=4, error_every=5)
+    result = asyncio.run(run_load(client, LoadPlan(concurrency=2, requests=20, warmup_s=0, generative=True),
+                                  [{"prompt": "a"}]))
+    report = result.report()
+    generation = report["generation"]
+    assert (report["sent"], report["ok"], report["errors"]) == (20, 16, {"handler_error": 4})
+    assert (generation["finished"], generation["aborted"]) == (12, 4)
+    assert generation["finish_reasons"] == {"deadline": 4, "length": 12}
+    assert generation["restarts"] == 5 and generation["tokens"] == 16 * 4 and generation["tokens_per_s"] > 0
+    # The first chunk 10 ms after sending (20 ms when it restarted: the new attempt's), the next 10 ms later, the
+    # final 10 ms after that: the latency is the whole generation's.
+    assert 10 <= generation["ttfc_ms"]["p50"] < generation["ttfc_ms"]["max"] < report["latency_ms"]["p50"]
+    assert generation["between_chunks_ms"]["p50"] >= 10
+    restarted = [s for s in result.samples if s.restarts]
+    assert restarted and all(len(s.chunk_gaps_ms) == 1 for s in restarted), "only the answering attempt's chunks"
+    assert client.sent == [{"prompt": "a"}] * 20
