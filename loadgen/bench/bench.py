@@ -489,7 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
                "kinference setting whose\nbatching matches kinference serve's defaults. See docs/benchmarks.md.\n\n"
                "kinference bench image [--help]: the image-classification scenario (micro-batching, preprocess "
                "threads).\nkinference bench gpu [--help]: each model's ceilings and drains of kinference serve at "
-               "1..8 workers,\nwith the GPU's busy fraction and the CPU per message.",
+               "1..8 workers,\nwith the GPU's busy fraction and the CPU per message.\n"
+               "kinference bench generate [--help]: continuous batching against a per-request generate() loop and "
+               "static\nbatching, and kinference through Kafka (tokens/s, time to first chunk, time between chunks).",
     )
     parser.add_argument("--concurrency", type=concurrency_list, metavar="C1,C2,...",
                         help="closed-loop concurrencies (default: 1,4,16,64,256; --quick: 1,4)")
@@ -545,6 +547,10 @@ def main(argv: list[str]) -> int:
         from kinference.loadgen.bench import gpu
 
         return gpu.main(argv[1:])
+    if argv[:1] == ["generate"]:
+        from kinference.loadgen.bench import generative
+
+        return generative.main(argv[1:])
     args, options = parse_options(build_parser(), argv, lambda args: options_from(args, argv))
     console, report = measured("kinference bench", lambda console: Bench(options, console).run())
     if report is None:
