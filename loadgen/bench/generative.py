@@ -14,8 +14,10 @@ last one ended):
   loaded by ``kinference loadgen --generative`` (the request produced, each chunk record read back by
   ``Client.stream_async``): the engine's figures plus what Kafka adds.
 
-The first three run in this process with nothing else running; their times are taken where the tokens come out of
-the model (the first token is the first chunk). The model is a small random Llama built from a config (hidden 256, 4
+The first three run in this process with nothing else running, with one torch intra-op thread unless ``--threads``
+says otherwise (on a small shared host, torch's one thread per core wait on each other at every operation of a
+decoding step: docs/benchmarks.md); their times are taken where the tokens come out of the model (the first token is
+the first chunk). The kinference contenders run with torch's own threads and with ``--torch-threads 1``. The model is a small random Llama built from a config (hidden 256, 4
 layers), with the bundled MiniLM tokenizer; its end-of-sequence token is never generated here, so every request
 makes ``max_tokens`` tokens and every contender does the same work. Tokens per second: the median of the rounds;
 chunk times: nearest-rank percentiles over every request of every round (``loadgen.report``'s figures).
@@ -432,7 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens each request generates (default: 32)")
     parser.add_argument("--rounds", type=int, default=3, help="measured runs of each contender, interleaved "
                         "(default: 3)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads of the in-process contenders, 0 for torch's own (one per core) "
+                             "(default: 1: see docs/benchmarks.md)")
     parser.add_argument("--no-kafka", action="store_true", help="the in-process contenders only")
     parser.add_argument("--broker", choices=("tansu", "kafka"), default="tansu", help="the local broker")
     parser.add_argument("--plot", type=Path, help="write the PNG plot here")
@@ -443,7 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
 def options_from(args: argparse.Namespace, argv: list[str]) -> GenerateOptions:
     if min(args.requests, args.max_tokens, args.rounds) < 1:
         raise ValueError("--requests, --max-tokens and --rounds must be at least 1")
-    if args.threads is not None:
+    if args.threads < 0:
+        raise ValueError("--threads must be 0 (torch's own) or more")
+    if args.threads:
         torch.set_num_threads(args.threads)
     return GenerateOptions(requests=args.requests, max_tokens=args.max_tokens, rounds=args.rounds,
                            kafka=not args.no_kafka, broker=args.broker,
