@@ -17,9 +17,11 @@ last one ended):
 The first three run in this process with nothing else running, with one torch intra-op thread unless ``--threads``
 says otherwise (on a small shared host, torch's one thread per core wait on each other at every operation of a
 decoding step: docs/benchmarks.md); their times are taken where the tokens come out of the model (the first token is
-the first chunk). The kinference contenders run with torch's own threads and with ``--torch-threads 1``. The model is a small random Llama built from a config (hidden 256, 4
-layers), with the bundled MiniLM tokenizer; its end-of-sequence token is never generated here, so every request
-makes ``max_tokens`` tokens and every contender does the same work. Tokens per second: the median of the rounds;
+the first chunk). The kinference contenders run with torch's own threads and with ``--torch-threads 1``.
+
+The model is a small random Llama built from a config (hidden 256, 4 layers), with the bundled MiniLM tokenizer; its
+end-of-sequence token is never generated here, so every request makes ``max_tokens`` tokens and every contender does
+the same work. Tokens per second: the median of the rounds;
 chunk times: nearest-rank percentiles over every request of every round (``loadgen.report``'s figures).
 
 The targets (issue 28), judged on the in-process contenders: at 32 streams continuous batching makes >= 4x the
