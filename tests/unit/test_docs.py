@@ -97,11 +97,12 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     """Every kinference command's real parser, by the words that follow ``kinference``."""
     from kinference.consumer.cli import build_parser as service
     from kinference.loadgen import demo
-    from kinference.loadgen.bench import bench, cpu_paths, drain, gpu, image
+    from kinference.loadgen.bench import bench, cpu_paths, drain, generative, gpu, image
     from kinference.loadgen.cli import build_parser as loadgen
 
     found = {"loadgen": loadgen(), "demo": demo.build_parser(), "bench": bench.build_parser(),
-             "bench image": image.build_parser(), "bench gpu": gpu.build_parser(), "drain": drain.build_parser(),
+             "bench image": image.build_parser(), "bench gpu": gpu.build_parser(),
+             "bench generate": generative.build_parser(), "drain": drain.build_parser(),
              "cpu-paths": cpu_paths.build_parser()}
     (commands,) = [action for action in service()._actions if isinstance(action, argparse._SubParsersAction)]
     found |= dict(commands.choices)
@@ -130,7 +131,7 @@ def command_lines(text: str) -> list[tuple[str, list[str]]]:
             words = shlex.split(rest)
         except ValueError:  # a JSON value spread over several lines: its first line alone does not parse
             continue
-        if command == "bench" and words[:1] in (["image"], ["gpu"]):
+        if command == "bench" and words[:1] in (["image"], ["gpu"], ["generate"]):
             command, words = f"bench {words[0]}", words[1:]
         found.append((command, [word for word in words if word not in ("...", "&")]))
     return found
