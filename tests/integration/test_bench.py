@@ -88,3 +88,26 @@ def test_unknown_scenario_is_a_usage_error(capsys):
         bench.main(["--scenarios", "relay,nope"])
     assert exit_info.value.code == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_bench_generate_writes_the_side_by_side_table_and_the_plot(tmp_path):
+    """``kinference bench generate``, tiny: every contender at 32 streams and at 1, each generation finished with
+    its tokens, the targets evaluated (not asserted: no timing is), the plot and the Markdown written."""
+    from kinference.loadgen.bench import generative
+
+    out, plot, table = tmp_path / "generate.json", tmp_path / "generate.png", tmp_path / "generate.md"
+    assert generative.main(["--requests", "8", "--rounds", "1", "--max-tokens", "4", "--out", str(out),
+                            "--plot", str(plot), "--markdown", str(table)]) == 0
+    report = orjson.loads(out.read_bytes())
+    names = [generative.CONTINUOUS, generative.PER_REQUEST, generative.STATIC,
+             *(name for name, _ in generative.KAFKA_SETTINGS)]
+    rows = {(run["contender"], run["concurrency"]): run["generation"] for run in report["runs"]}
+    assert set(rows) == {(name, streams) for name in names for streams in (32, 1)}
+    for (name, streams), generation in rows.items():
+        requests = 8 if streams == 32 else 4
+        assert (generation["finished"], generation["aborted"]) == (requests, 0), name
+        assert generation["tokens"] == requests * 4 and generation["tokens_per_s"] > 0, name
+        assert generation["ttfc_ms"]["p50"] > 0, name
+    assert [target["limit"] for target in report["targets"]] == [4.0, 1.5, 1.2]
+    assert plot.read_bytes().startswith(PNG)
+    assert "| continuous batching | 32 |" in table.read_text()
