@@ -136,6 +136,8 @@ class Stream:
             raise self._timed_out() from None
 
     async def _take_async(self, records: asyncio.Queue[Received]) -> Received:
+        if not records.empty():  # as the blocking get does: a record that is there is read, even past the deadline
+            return records.get_nowait()
         try:
             return await asyncio.wait_for(records.get(), self._left())
         except TimeoutError:
