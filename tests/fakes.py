@@ -217,6 +217,7 @@ class FakeProducer:
 
     def send_offsets_to_transaction(self, positions, metadata, timeout):
         self._call("send_offsets")
+        self.generation = metadata
         self.offsets = [(tp.topic, tp.partition, tp.offset) for tp in positions]
 
     def commit_transaction(self, timeout):

@@ -96,7 +96,7 @@ class Committer:
     def in_flight(self) -> int:
         return self._tracker.in_flight
 
-    def maybe_commit(self, consumer, now):
+    def turn(self, consumer, now):
         pass
 
     def commit(self, consumer, partitions=None):
@@ -234,7 +234,7 @@ def test_leaving_the_group_ends_the_revoke_although_the_consumer_has_no_generati
     with caplog.at_level(logging.INFO, logger="kinference.consumer"):
         source.close(time.monotonic() + 5)
     assert not source._thread.is_alive() and "consumer closed" in caplog.text
-    assert source.rebalance.partitions == set() and source.rebalance.group_metadata == "generation"
+    assert source.rebalance.partitions == set()
     assert metrics.registry.get_sample_value("kinference_assigned_partitions") == 0
     assert consumer.calls[-2:] == [unassign, ("close", None)]
 
