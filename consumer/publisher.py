@@ -66,6 +66,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from kinference.consumer.answers import Delivery, InFlight, Refusal, ReplyPartitions, classify, replacement
 from kinference.consumer.at_least_once import AtLeastOnce
+from kinference.consumer.budget import ByteBudget
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.exactly_once import ExactlyOnce
 from kinference.consumer.generations import StreamChunk
@@ -135,12 +136,14 @@ class PublishSettings:
     stall_timeout_s: float = 330.0
     """No successful delivery for this long, with records outstanding: the producer is replaced (or the service
     stops)."""
+    max_in_flight_bytes: int = 2**63
+    """The bound of ``Publisher.budget``: what the requests in flight may hold decoded."""
 
     @classmethod
     def of(cls, config: ServiceConfig) -> PublishSettings:
         # Everything in flight fits in the queue, so the poll thread never waits on it.
         return cls(config.dead_letter_topic, config.max_in_flight + config.max_poll_records,
-                   config.delivery_retry_timeout_s, config.stall_timeout_s)
+                   config.delivery_retry_timeout_s, config.stall_timeout_s, config.max_in_flight_bytes)
 
 
 class Publisher:
@@ -160,6 +163,9 @@ class Publisher:
         self._tracing = tracing
         self._dead_letter_topic = settings.dead_letter_topic
         self._delivery = delivery
+        self.budget = ByteBudget(settings.max_in_flight_bytes)
+        """What the requests in flight hold decoded: the intake charges it, ``submit`` releases it (the stages are
+        done with them), and the source's flow control bounds it."""
         self._inbox: queue.Queue[list[Request] | _Stream] = queue.Queue(maxsize=settings.queue_size)
         self._new_producer = partial(producer_factory, {**producer_config, "error_cb": self._on_client_error})
         self._producer = self._new_producer()
@@ -191,8 +197,10 @@ class Publisher:
         self._thread.start()
 
     def submit(self, requests: list[Request]) -> None:
-        """Queue finished requests (results or errors). The queue holds everything in flight, so this only
-        waits if the publisher fell behind; it raises ``PublisherDown`` rather than wait for a dead thread."""
+        """Queue finished requests (results or errors), from the stages or answered at once; their decoded values
+        go (``budget``). The queue holds everything in flight, so this only waits if the publisher fell behind; it
+        raises ``PublisherDown`` rather than wait for a dead thread."""
+        self.budget.release(requests)
         self._put(requests)
 
     def stream(self, chunks: list[StreamChunk]) -> None:

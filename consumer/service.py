@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 from confluent_kafka import KafkaException
 
 from kinference.consumer.at_least_once import AtLeastOnce, OffsetCommits
-from kinference.consumer.budget import ByteBudget
 from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.control import ControlReader
@@ -39,7 +38,7 @@ from kinference.consumer.member_slot import MemberSlot
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.models import Models
 from kinference.consumer.publisher import Publisher, PublishSettings
-from kinference.consumer.request import Request, RequestDecoder
+from kinference.consumer.request import RequestDecoder
 from kinference.consumer.share import ShareLedger, ShareSource, set_share_group_start
 from kinference.consumer.source import Source
 from kinference.consumer.topic_metadata import ExistingTopics
@@ -183,25 +182,19 @@ class Service:
             delivery = AtLeastOnce(tracker, config.dead_letter_topic)
         self.publisher = publisher = Publisher(producer_config, delivery, PublishSettings.of(config), self.metrics,
                                                tracing=self.tracing)
-        budget = ByteBudget(config.max_in_flight_bytes)
-
-        def finished(requests: list[Request]) -> None:
-            budget.release(requests)  # the stages are done with them: their decoded values go
-            publisher.submit(requests)
-
-        router = self.models.build(finished, self.metrics, self.tracing, stream=publisher.stream)
+        router = self.models.build(publisher, self.metrics, self.tracing)
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
                                  router=router, max_key_bytes=config.max_key_bytes,
                                  reply_topic_exists=self._existing_topics(config))
         if isinstance(tracker, ShareLedger):  # a share group has no offsets: no lag to measure
-            self.source = ShareSource(config, Intake(decoder, tracker, self.models, self.tracing, budget),
+            self.source = ShareSource(config, Intake(decoder, tracker, self.models, self.tracing, publisher.budget),
                                       self.metrics)
             return publisher, self.source
         commits = delivery if isinstance(delivery, ExactlyOnce) else OffsetCommits(
             tracker, self.metrics, config.commit_interval_ms / 1000)
-        self.source = source = Source(config, Intake(decoder, tracker, self.models, self.tracing, budget), commits,
-                                      self.metrics)
+        self.source = source = Source(config, Intake(decoder, tracker, self.models, self.tracing, publisher.budget),
+                                      commits, self.metrics)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: source.rebalance.partitions, self.metrics,
                               config.lag_interval_s)
