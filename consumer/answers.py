@@ -106,8 +106,8 @@ class Delivery:
 
 class InFlight:
     """The publisher's records produced and not yet reported on, in the order produced, and the epoch that tells a
-    stale report: ``void`` moves it on, for a replaced producer or an aborted transaction, whose records' reports
-    no longer count."""
+    stale report (a record's ``epoch`` is not this one): ``void`` moves it on, for a replaced producer or an aborted
+    transaction, whose records' reports no longer count."""
 
     __slots__ = ("epoch", "records")
 
@@ -118,10 +118,6 @@ class InFlight:
     def add(self, delivery: Delivery) -> None:
         delivery.epoch = self.epoch
         self.records[delivery] = None
-
-    def current(self, delivery: Delivery) -> bool:
-        """Whether a report about ``delivery`` counts: it was produced in this epoch."""
-        return delivery.epoch == self.epoch
 
     def void(self) -> list[Delivery]:
         """From now on, reports about the records produced so far are stale; those not reported on yet, returned."""

@@ -175,8 +175,6 @@ class Publisher:
         self._in_flight = InFlight()
         """Records produced and not reported on; its epoch moves on when a producer is replaced (or the delivery
         mode voids what it produced): reports of records produced before are stale."""
-        self._counted: Tally[str] = Tally()
-        """Records acknowledged this turn, by kind: ``reply`` (ok), ``error`` (a reply), ``dead_letter``."""
         self._retries: list[tuple[float, int, Delivery]] = []
         """Refused records waiting to be produced again: a heap by due time."""
         self._order = itertools.count()
@@ -287,9 +285,7 @@ class Publisher:
         settled = self._delivery.end(self._producer, self._in_flight)
         if settled.failure is not None:
             self._fail(settled.failure)
-        for delivery in settled.landed:
-            self._count(delivery)
-        self._add_counted()
+        self._count(settled.landed)
         if settled.answered and self._tracing is not None:
             self._tracing.answered(settled.answered)  # the end of each request's span: it counts as answered
         self._settled = final
@@ -341,8 +337,8 @@ class Publisher:
                 return
 
     def _on_delivery(self, delivery: Delivery, error: KafkaError | None, _message: Any) -> None:
-        if not self._in_flight.current(delivery):
-            return  # produced again since, by a new producer, or in a transaction that aborted
+        if delivery.epoch != self._in_flight.epoch:
+            return  # stale: produced again since, by a new producer, or in a transaction that aborted
         if error is not None and (self._fatal is not None or error.fatal()):
             self._fatal = self._fatal or error  # it stays in flight: the next producer produces it again
             return
@@ -398,14 +394,12 @@ class Publisher:
                     delivery.record[0], error, backoff, extra=about(delivery.request))
         heapq.heappush(self._retries, (now + backoff, next(self._order), delivery))
 
-    def _count(self, delivery: Delivery) -> None:
-        """Counted here, added to the metrics once per turn (``_add_counted``)."""
-        self._counted[delivery.kind if delivery.kind == "dead_letter" or delivery.request.ok else "error"] += 1
-
-    def _add_counted(self) -> None:
-        if not self._counted:
+    def _count(self, landed: list[Delivery]) -> None:
+        """The records that count as delivered this turn, by kind, added to the metrics once per turn."""
+        if not landed:
             return
-        counted, self._counted = self._counted, Tally()
+        counted = Tally(delivery.kind if delivery.kind == "dead_letter" or delivery.request.ok else "error"
+                        for delivery in landed)
         for kind, count in counted.items():
             if kind == "dead_letter":
                 self._metrics.dead_letters.inc(count)
