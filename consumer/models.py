@@ -137,7 +137,7 @@ class Models:
         name = served_name(settings, handler)
         served = (None if settings.request_format == "kinference" or settings.value_format != "json"
                   else OipModel(name, settings.model_version, settings.request_format))
-        batcher = Batcher(settings.batching, self.answer_now, max_queue_ms=settings.max_queue_ms)
+        batcher = Batcher(settings.batching, answer, max_queue_ms=settings.max_queue_ms)
         cost = batcher.cost
         metrics.batch_cost_fixed.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
         metrics.batch_cost_per_unit.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])

@@ -270,6 +270,7 @@ def handed_on(service, publisher, source) -> list[tuple[str, object]]:
     assert intake._models is service.models and pipeline._batches is model.batcher
     # Bound methods, so that where they go is an object, not a closure over the wiring.
     assert pipeline._emit.__self__ is publisher and service.models._answer.__self__ is publisher
+    assert model.batcher._reject.__self__ is publisher  # what the batcher refuses goes straight to its answer
     return [("source", source), ("intake", intake), ("request", intake._decoder), ("models", intake._models),
             ("batcher", model.batcher), ("stages", pipeline), ("publisher", pipeline._emit.__self__),
             ("delivery", publisher._delivery)]
