@@ -1,8 +1,8 @@
 """What answers a request (its reply and dead-letter records: their values and headers), and what happens when the
 broker refuses one of them.
 
-Both delivery modes answer the same way (``publisher`` produces at once, ``transactions`` inside a
-transaction); only when an answer counts as done differs. A request is answered by
+Both delivery modes answer the same way (``at_least_once`` produces the records at once, ``exactly_once`` inside
+a transaction; the publisher produces them); only when an answer counts as done differs. A request is answered by
 
 - its reply: the result, or an error reply with its code, to its reply topic and partition;
 - plus a dead letter when the record could not be read as a request (original key, value and headers, and
@@ -100,10 +100,42 @@ class Delivery:
     """A dead letter with the original value and headers (False once they made it too large)."""
     attempts: int = 0
     epoch: int = 0
-    """The publisher's epoch when it was last produced: a report from an earlier one (a replaced producer, an
-    aborted transaction) is stale."""
-    in_transaction: bool = False
-    """Last produced inside a transaction: its refusal aborts the transaction, whose next one carries it."""
+    """``InFlight.epoch`` when it was last produced: a report from an earlier one (a replaced producer, an aborted
+    transaction) is stale."""
+
+
+class InFlight:
+    """The publisher's records produced and not yet reported on, in the order produced, and the epoch that tells a
+    stale report (a record's ``epoch`` is not this one): ``void`` moves it on, for a replaced producer or an aborted
+    transaction, whose records' reports no longer count."""
+
+    __slots__ = ("epoch", "records")
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.records: dict[Delivery, None] = {}
+
+    def add(self, delivery: Delivery) -> None:
+        delivery.epoch = self.epoch
+        self.records[delivery] = None
+
+    def void(self) -> list[Delivery]:
+        """From now on, reports about the records produced so far are stale; those not reported on yet, returned."""
+        self.epoch += 1
+        records, self.records = list(self.records), {}
+        return records
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What one turn of a delivery mode answered for good (``AtLeastOnce.end``, ``ExactlyOnce.end``)."""
+
+    answered: list[Request]
+    """Requests answered now: the publisher ends their spans."""
+    landed: list[Delivery]
+    """Records that count as delivered now: the publisher counts them (replies, error replies, dead letters)."""
+    failure: str | None = None
+    """Why the service must stop (transactions aborted too often in a row), if it must."""
 
 
 def answer(request: Request, dead_letter_topic: str, now: float) -> list[Delivery]:

@@ -69,14 +69,15 @@ class Batcher:
     def __init__(
         self,
         batching: Batching,
-        reject: Callable[[Request], None],
+        reject: Callable[[list[Request]], None],
         *,
         max_queue_ms: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         epoch_ms: Callable[[], float] = lambda: time.time() * 1000,
     ) -> None:
-        """``batching``: the policy and limits (validated there); ``reject``: gets each request refused here,
-        failed with its error; ``max_queue_ms``: shed requests older than this (None: never)."""
+        """``batching``: the policy and limits (validated there); ``reject``: gets the requests refused here, each
+        failed with its error, to be answered (``Publisher.submit`` in the service); ``max_queue_ms``: shed requests
+        older than this (None: never)."""
         self.batching = batching
         self.max_batch_delay_s = batching.max_batch_delay_ms / 1000
         self.target_latency_s = batching.target_latency_ms / 1000
@@ -104,7 +105,8 @@ class Batcher:
         now = self._clock()
         error = self._rejection(request, now)
         if error is not None:
-            self._refuse(request, error)
+            request.fail(error)
+            self._reject([request])
             return
         with self._cond:
             self.arrivals.add(now)
@@ -193,7 +195,9 @@ class Batcher:
                     return []
                 batch, rejected = self._take(now)
             for request, error in rejected:
-                self._refuse(request, error)
+                request.fail(error)
+            if rejected:
+                self._reject([request for request, _ in rejected])
             if batch:
                 for request in batch:
                     request.dispatched = now
@@ -321,10 +325,6 @@ class Batcher:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-    def _refuse(self, request: Request, error: RequestError) -> None:
-        request.fail(error)
-        self._reject(request)
 
     def _rejection(self, request: Request, now: float) -> RequestError | None:
         """Why a request must not be computed: past its deadline, or waited too long."""

@@ -2,7 +2,9 @@
 
 Per partition, kinference commits offset N only when every record below N that this member was handed has
 been answered: its reply (and dead letter, if any) was acknowledged by the broker (at-least-once), or is
-held for the next transaction (exactly-once, see ``transactions``). Records finish out of order
+held for the next transaction (exactly-once, see ``exactly_once``). The ledger is shared by both delivery modes:
+``at_least_once`` hands it the answered requests and commits the positions it computes on the poll thread,
+``exactly_once`` commits them in its transactions. Records finish out of order
 (micro-batches, several threads, error replies that skip the model); the ledger tracks them and moves the
 commit position up to the first tracked record that is not answered.
 
@@ -30,9 +32,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import TopicPartition
 
 from kinference.consumer.request import Request
 from kinference.consumer.types import PartitionKey
@@ -220,85 +221,3 @@ class OffsetTracker:
             for tp in offsets:
                 if (tp.topic, tp.partition) in self._ledgers:
                     self._committed[(tp.topic, tp.partition)] = tp.offset
-
-
-class ConsumerCheckpoint:
-    """At-least-once (``checkpoint.Checkpoint``): a request is answered once the broker acknowledged each of its
-    records, and the consumer commits the tracker's positions. Asynchronously on an interval, with the outcome
-    reported to ``on_commit`` (a synchronous commit in the poll thread would wait out a coordinator fail-over),
-    synchronously on revoke and close, when the partition is about to change hands."""
-
-    replaces_producer = True
-    """Nothing is lost with a dead producer: what it did not deliver is produced again by a new one."""
-
-    def __init__(self, tracker: OffsetTracker, metrics: Any, interval_s: float) -> None:
-        self._tracker = tracker
-        self._metrics = metrics
-        self._interval_s = interval_s
-        self._next = 0.0
-        self._waiting = False
-        """An asynchronous commit is out: the next waits for its report, so that commits never pile up while the
-        coordinator does not answer (a rebalance, a fail-over)."""
-
-    @property
-    def in_flight(self) -> int:
-        """Nothing waits here (a finished request is answered at once): what the tracker follows."""
-        return self._tracker.in_flight
-
-    # --- the publisher's side
-
-    def open(self, producer: Any) -> None:
-        """An idempotent producer needs no preparation."""
-
-    def close(self) -> None:
-        """Nobody waits on the publisher here."""
-
-    def take(self, requests: list[Request]) -> list[Request]:
-        return requests
-
-    def acknowledged(self, requests: list[Request]) -> None:
-        self._tracker.finish(requests)
-
-    def due(self, now: float, final: bool) -> None:
-        """No transactions."""
-
-    # --- the source's side
-
-    def maybe_commit(self, consumer: Any, now: float) -> None:
-        if now < self._next or self._waiting:
-            return
-        self._next = now + self._interval_s
-        offsets = self._tracker.commit_offsets()
-        if offsets:
-            self._waiting = True
-            consumer.commit(offsets=offsets, asynchronous=True)
-
-    def commit(self, consumer: Any, partitions: list[PartitionKey] | None = None) -> None:
-        offsets = self._tracker.commit_offsets(partitions)
-        if not offsets:
-            return
-        try:
-            result = consumer.commit(offsets=offsets, asynchronous=False)
-        except KafkaException as exc:
-            # Nothing is lost: the next owner, or this member after a restart, serves them again.
-            self._metrics.commit_failures.inc()
-            log.warning("commit of %d partitions failed: %s", len(offsets), exc)
-            return
-        self._accepted(result or offsets)
-
-    def on_commit(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
-        """librdkafka's report of an asynchronous commit (served by ``poll``, in the poll thread)."""
-        self._waiting = False
-        if error is not None:
-            # Nothing is lost: the same offsets (or later ones) are committed next time.
-            self._metrics.commit_failures.inc()
-            log.warning("commit failed: %s", error)
-            return
-        self._accepted(partitions)
-
-    def _accepted(self, partitions: list[TopicPartition]) -> None:
-        accepted = [tp for tp in partitions if tp.error is None]
-        if len(accepted) < len(partitions):
-            self._metrics.commit_failures.inc()
-        self._tracker.committed(accepted)
-        self._metrics.commits.inc()

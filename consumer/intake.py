@@ -22,6 +22,7 @@ from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
+    from kinference.consumer.models import Models
     from kinference.consumer.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -36,30 +37,11 @@ class Tracker(Protocol):
 TrackerT = TypeVar("TrackerT", bound=Tracker)
 
 
-class Downstream(Protocol):
-    """Where the intake hands requests on: the served models (``models.Models``)."""
-
-    def admit(self, requests: list[Request]) -> None:
-        """Validate and price the readable requests of one fetch; never raises."""
-
-    def route(self, request: Request) -> None:
-        """Take a request on: to its model's batcher, or to an error reply."""
-
-    def wake(self) -> None:
-        """The fetch's requests are all routed: let the stages take them (one wake-up for the whole fetch)."""
-
-    def answer_now(self, request: Request) -> None:
-        """Answer a request at once (an error reply)."""
-
-    def discard(self, partitions: list[PartitionKey]) -> list[Request]:
-        """Take the not-yet-started requests of revoked partitions back."""
-
-
 class Intake(Generic[TrackerT]):
     """What the source does with each fetch. The source reaches the rest of the service only through it: the
     ``tracker`` it commits from, and ``discard`` on revoke."""
 
-    def __init__(self, decoder: RequestDecoder, tracker: TrackerT, models: Downstream,
+    def __init__(self, decoder: RequestDecoder, tracker: TrackerT, models: Models,
                  tracing: Tracing | None = None, budget: ByteBudget | None = None) -> None:
         """``tracing``, when on, starts each request's span. ``budget`` is charged what each request holds decoded
         (``budget.ByteBudget``; by default one without a bound)."""

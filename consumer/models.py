@@ -36,6 +36,7 @@ from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
     from kinference.consumer.device_link import DeviceLink
+    from kinference.consumer.publisher import Publisher
     from kinference.consumer.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -114,10 +115,11 @@ class Models:
                                          max_batch_size=batching.micro_batch_size or batching.max_batch_size,
                                          registry=metrics.registry, host_dir=host_dir, role=role))
 
-    def build(self, answer: Answer, metrics: Metrics, tracing: Tracing | None, stream: Stream | None = None) -> Router:
-        """Each model's route, batcher and stage threads (not started); returns the router over their routes.
-        ``answer`` takes the requests each model finishes, and those refused at once; ``stream`` the chunks of
-        generative models."""
+    def build(self, publisher: Publisher, metrics: Metrics, tracing: Tracing | None) -> Router:
+        """Each model's route, batcher and stage threads (not started); returns the router over their routes. The
+        ``publisher`` takes the requests each model finishes, and those refused at once (``submit``), and the
+        chunks of generative models (``stream``)."""
+        answer, stream = publisher.submit, publisher.stream
         self._answer = answer
         share = max(1, self._config.max_in_flight // len(self.handlers)) if len(self.handlers) > 1 else None
         for settings, handler in self.handlers:
@@ -135,7 +137,7 @@ class Models:
         name = served_name(settings, handler)
         served = (None if settings.request_format == "kinference" or settings.value_format != "json"
                   else OipModel(name, settings.model_version, settings.request_format))
-        batcher = Batcher(settings.batching, self.answer_now, max_queue_ms=settings.max_queue_ms)
+        batcher = Batcher(settings.batching, answer, max_queue_ms=settings.max_queue_ms)
         cost = batcher.cost
         metrics.batch_cost_fixed.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
         metrics.batch_cost_per_unit.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
@@ -149,10 +151,8 @@ class Models:
         return LoadedModel(settings, batching, handler, route, batcher, pipeline, max_in_flight=None)
 
     def _build_generative(self, settings: ServiceConfig, handler: GenerativeHandler, answer: Answer,
-                          stream: Stream | None, metrics: Metrics) -> LoadedModel:
+                          stream: Stream, metrics: Metrics) -> LoadedModel:
         """A generative model skips the batcher and the stages: its engine batches per decoding step."""
-        if stream is None:
-            raise ConfigError(f"{settings.handler} generates, and this service has nowhere to stream its chunks")
         name = served_name(settings, handler)
         generations = Generations(name, handler, answer, stream,
                                   GenerationSettings.of(settings, handler.max_sequences), metrics)

@@ -1,35 +1,31 @@
-"""The publisher: one thread owns the producer, produces what answers each finished request, follows every
-record until the broker has it, and hands what is answered to its checkpoint (``checkpoint``), which makes it
-durable. Both delivery modes use this one class; they differ only in their checkpoint.
+"""The publisher: one thread owns the producer, produces what answers each finished request, and follows every
+record until the broker has it. Its delivery mode (``at_least_once.AtLeastOnce`` or ``exactly_once.ExactlyOnce``)
+says which records to produce when, and when a request counts as answered; everything in which the modes differ is
+there, and this module knows nothing of transactions.
 
 Each turn of the publisher's loop, in order:
 
 1. take finished requests from the inbox. A reply partition the reply topic lacks fails its request
-   (``answers.ReplyPartitions``). The checkpoint holds some back (``take``); the others are answered at once:
-   their records are produced;
+   (``answers.ReplyPartitions``). The delivery mode takes them (``take``);
 2. produce again the records refused for a passing reason whose backoff is over;
-3. serve the delivery reports: a request whose records were all acknowledged is answered (``acknowledged``);
-4. make answers durable. Only this step differs between the delivery modes:
-   - at-least-once (``commit.ConsumerCheckpoint``): step 3 handed the answered requests to the commit tracker,
-     and the consumer commits their offsets; there is nothing to do here;
-   - exactly-once (``transactions.TransactionCheckpoint``): when a transaction is due (``due``), the held
-     requests that form runs from the last committed offsets are answered in it, and it commits them together
-     with their offsets (``_transact`` lists its steps).
+3. serve the delivery reports: each record's is handed to the delivery mode (``delivered``, ``refused``);
+4. produce what the delivery mode says is due (``begin``: at-least-once, the answers of the requests taken in step
+   1; exactly-once, when a transaction is due, its records), then let it settle (``end``: at-least-once hands the
+   requests answered to their ledger, exactly-once commits the transaction). Those answered now end their spans,
+   and their records are counted.
 
 A record the broker refuses (``answers.classify``):
 
-- for good (too large, unknown topic...): the request is answered another way (``answers.replacement``): at
-  once, or, for a record of a transaction (which must abort then), in the next transaction. A record that
-  ``produce()`` itself refused never entered the transaction: its replacement goes into the same one;
+- for good (too large, unknown topic...): the request is answered another way (``answers.replacement``), when the
+  delivery mode says (at once; exactly-once: in the same transaction or the next);
 - for a passing reason (a timeout during a broker outage, a purge): the same record is produced again, with
-  backoff, for up to ``delivery_retry_timeout_s``; in a transaction, the transaction aborts and the next one
-  carries it;
+  backoff, for up to ``delivery_retry_timeout_s`` (exactly-once: in the next transaction);
 - because the producer itself failed for good (the idempotent producer's sequence lost), or when no delivery
   succeeded for longer than librdkafka's own delivery timeout while records are outstanding: where the
-  checkpoint allows it (``replaces_producer``), the producer is replaced and every record it did not report as
+  delivery mode allows it (``replaces_producer``), the producer is replaced and every record it did not report as
   delivered is produced again by the new one, whatever the old one may still report later (stale, ignored). A
   replaced producer loses its de-duplication, which is why an ordinary stall (a leader election) is never
-  reason enough. Where the checkpoint does not allow it, the service stops.
+  reason enough. Where the delivery mode does not allow it, the service stops.
 
 No record can stop the service: a request that nothing can answer (the broker refused its reply and its dead letter
 for good, even without the original value and headers) is unanswerable, an outcome of its own. It is counted
@@ -68,9 +64,11 @@ from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from kinference.consumer.answers import Delivery, Refusal, ReplyPartitions, answer, classify, replacement
-from kinference.consumer.checkpoint import Abort, Checkpoint, Transaction
+from kinference.consumer.answers import Delivery, InFlight, Refusal, ReplyPartitions, classify, replacement
+from kinference.consumer.at_least_once import AtLeastOnce
+from kinference.consumer.budget import ByteBudget
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.exactly_once import ExactlyOnce
 from kinference.consumer.generations import StreamChunk
 from kinference.consumer.logs import about
 from kinference.consumer.metrics import UNSERVED_LABEL, Metrics, observe_many
@@ -112,11 +110,18 @@ def observe(metrics: Metrics, requests: list[Request], now: float) -> None:
         service.append(now - request.received)
         if request.dispatched is not None:
             queued.append(request.dispatched - request.received)
-    for labels, count in outcomes.items():
-        metrics.labelled(metrics.requests, *labels).inc(count)
+    for outcome, count in outcomes.items():
+        metrics.labelled(metrics.requests, *outcome).inc(count)
     for labels, (service, queued) in waits.items():
         observe_many(metrics.labelled(metrics.service_seconds, *labels), service)
         observe_many(metrics.labelled(metrics.queue_wait, *labels), queued)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stream:
+    """Stream chunks of generative requests, in the inbox with the finished requests (``Publisher.stream``)."""
+
+    chunks: list[StreamChunk]
 
 
 @dataclass(frozen=True)
@@ -131,59 +136,48 @@ class PublishSettings:
     stall_timeout_s: float = 330.0
     """No successful delivery for this long, with records outstanding: the producer is replaced (or the service
     stops)."""
+    max_in_flight_bytes: int = 2**63
+    """The bound of ``Publisher.budget``: what the requests in flight may hold decoded."""
 
     @classmethod
     def of(cls, config: ServiceConfig) -> PublishSettings:
         # Everything in flight fits in the queue, so the poll thread never waits on it.
         return cls(config.dead_letter_topic, config.max_in_flight + config.max_poll_records,
-                   config.delivery_retry_timeout_s, config.stall_timeout_s)
+                   config.delivery_retry_timeout_s, config.stall_timeout_s, config.max_in_flight_bytes)
 
 
 class Publisher:
     def __init__(
         self,
         producer_config: dict[str, str],
-        checkpoint: Checkpoint,
+        delivery: AtLeastOnce | ExactlyOnce,
         settings: PublishSettings,
         metrics: Metrics,
         *,
         producer_factory: Callable[[dict[str, Any]], Any] = Producer,
         tracing: Tracing | None = None,
     ) -> None:
-        """``producer_config`` carries ``transactional.id`` for a transactional checkpoint. ``tracing``, when on,
-        ends each request's span once the request is answered."""
+        """``producer_config`` carries ``transactional.id`` for exactly-once. ``tracing``, when on, ends each
+        request's span once the request is answered."""
         self._metrics = metrics
         self._tracing = tracing
         self._dead_letter_topic = settings.dead_letter_topic
-        self._checkpoint = checkpoint
-        self._inbox: queue.Queue[list[Request] | list[StreamChunk]] = queue.Queue(maxsize=settings.queue_size)
+        self._delivery = delivery
+        self.budget = ByteBudget(settings.max_in_flight_bytes)
+        """What the requests in flight hold decoded: the intake charges it, ``submit`` releases it (the stages are
+        done with them), and the source's flow control bounds it."""
+        self._inbox: queue.Queue[list[Request] | _Stream] = queue.Queue(maxsize=settings.queue_size)
         self._new_producer = partial(producer_factory, {**producer_config, "error_cb": self._on_client_error})
         self._producer = self._new_producer()
         self._reply_partitions = ReplyPartitions(self._partitions)
         self._retry_timeout_s = settings.delivery_retry_timeout_s
         self._stall_timeout_s = settings.stall_timeout_s
-        self._epoch = 0
-        """Moves on when a producer is replaced or a transaction aborts: reports of records produced before are
-        stale."""
-        self._in_flight: dict[Delivery, None] = {}
-        """Records produced in this epoch and not reported delivered or refused, in the order produced."""
-        self._outstanding: dict[Request, int] = {}
-        """Records not yet acknowledged of each request answered outside a transaction."""
-        self._answered: list[Request] = []
-        """Answered since the last hand-over to the checkpoint."""
-        self._counted: Tally[str] = Tally()
-        """Records acknowledged this turn, by kind: ``reply`` (ok), ``error`` (a reply), ``dead_letter``."""
+        self._in_flight = InFlight()
+        """Records produced and not reported on; its epoch moves on when a producer is replaced (or the delivery
+        mode voids what it produced): reports of records produced before are stale."""
         self._retries: list[tuple[float, int, Delivery]] = []
         """Refused records waiting to be produced again: a heap by due time."""
         self._order = itertools.count()
-        self._transaction: Transaction | None = None
-        self._sent: list[Delivery] = []
-        """The records of the open transaction."""
-        self._doomed: KafkaError | None = None
-        """Why the open transaction cannot commit: one of its records was refused."""
-        self._plans: dict[Request, list[Delivery]] = {}
-        """The records that answer each request of a transaction; kept, with what replaced refused records, for
-        the next transaction when this one aborts."""
         self._fatal: KafkaError | None = None
         self._last_success = time.monotonic()
         self._settled = False
@@ -201,20 +195,25 @@ class Publisher:
         self._thread.start()
 
     def submit(self, requests: list[Request]) -> None:
-        """Queue finished requests (results or errors). The queue holds everything in flight, so this only
-        waits if the publisher fell behind; it raises ``PublisherDown`` rather than wait for a dead thread."""
-        while True:
-            try:
-                self._inbox.put(requests, timeout=_PUT_S)
-                return
-            except queue.Full:
-                if not self.alive:
-                    raise PublisherDown(f"the publisher is not running ({self.failure or 'stopped'})") from None
+        """Queue finished requests (results or errors), from the stages or answered at once; their decoded values
+        go (``budget``). The queue holds everything in flight, so this only waits if the publisher fell behind; it
+        raises ``PublisherDown`` rather than wait for a dead thread."""
+        self.budget.release(requests)
+        self._put(requests)
 
     def stream(self, chunks: list[StreamChunk]) -> None:
         """Queue the stream chunks of generative requests, produced in order before their requests' finals (one
         producer, one partition per request). Chunks are not answers: nothing waits for their acknowledgement."""
-        self.submit(chunks)  # type: ignore[arg-type]  # the inbox carries both; _take tells them apart
+        self._put(_Stream(chunks))
+
+    def _put(self, item: list[Request] | _Stream) -> None:
+        while True:
+            try:
+                self._inbox.put(item, timeout=_PUT_S)
+                return
+            except queue.Full:
+                if not self.alive:
+                    raise PublisherDown(f"the publisher is not running ({self.failure or 'stopped'})") from None
 
     def stop(self, timeout_s: float) -> None:
         """Publish what is queued and wait up to ``timeout_s`` for it to become durable."""
@@ -222,11 +221,8 @@ class Publisher:
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             self._abandon.set()
-            self._checkpoint.close()  # a transactional call retrying in the thread gives up
+            self._delivery.close()  # a call the delivery mode retries in the thread gives up
             self._thread.join(_POLL_S * 4)
-        if self._outstanding:
-            log.warning("%d requests were still unanswered at shutdown; their offsets stay uncommitted",
-                        len(self._outstanding))
         if not self._thread.is_alive():
             # The producer holds our callbacks (a reference cycle): drop it now so librdkafka's threads and
             # connections end with the service, not at some later garbage collection.
@@ -240,25 +236,26 @@ class Publisher:
 
     def _run(self) -> None:
         try:
-            self._checkpoint.open(self._producer)
             while not self._done():
                 self._check_producer()
                 self._take(self._wait_s())  # 1
                 self._retry_due(time.monotonic())  # 2
                 self._producer.poll(0)  # 3
-                self._hand_over()
-                self._make_durable(time.monotonic())  # 4
-                self._add_counted()
+                self._settle(time.monotonic())  # 4
         except Exception as exc:
             self._fail(f"the publisher failed: {exc!r}")
             log.critical("publisher thread failed", exc_info=True)
         finally:
-            self._checkpoint.close()
+            self._delivery.close()
 
     def _done(self) -> bool:
         if self.failure is not None or self._abandon.is_set():
             return True
-        return self._settled and (not self._outstanding or self._fatal is not None)
+        return self._settled and (not self._outstanding() or self._fatal is not None)
+
+    def _outstanding(self) -> bool:
+        """Records not yet delivered: produced and not reported on, or waiting out a backoff."""
+        return bool(self._in_flight.records or self._retries)
 
     def _wait_s(self) -> float:
         due = self._retries[0][0] - time.monotonic() if self._retries else _POLL_S
@@ -269,72 +266,29 @@ class Publisher:
             requests = self._inbox.get(timeout=timeout_s)
         except queue.Empty:
             return
-        if requests and isinstance(requests[0], StreamChunk):
-            self._produce_chunks(requests)  # type: ignore[arg-type]
+        if isinstance(requests, _Stream):
+            self._produce_chunks(requests.chunks)
             return
         self._reply_partitions.check(requests)
-        now = time.monotonic()
-        observe(self._metrics, requests, now)
-        for request in self._checkpoint.take(requests):
-            self._answer(request, answer(request, self._dead_letter_topic, now))
+        observe(self._metrics, requests, time.monotonic())
+        self._delivery.take(requests)
 
     def _retry_due(self, now: float) -> None:
         while self._retries and self._retries[0][0] <= now:
             _, _, delivery = heapq.heappop(self._retries)
             self._send(delivery)
 
-    def _hand_over(self) -> None:
-        if self._answered:
-            answered, self._answered = self._answered, []
-            self._checkpoint.acknowledged(answered)
-            self._trace_answered(answered)
-
-    def _make_durable(self, now: float) -> None:
+    def _settle(self, now: float) -> None:
         final = self._stopping.is_set() and self._inbox.empty()
-        transaction = self._checkpoint.due(now, final)
-        if transaction is not None:
-            self._transact(transaction)
+        for delivery in self._delivery.begin(self._producer, now, final):
+            self._send(delivery)
+        settled = self._delivery.end(self._producer, self._in_flight)
+        if settled.failure is not None:
+            self._fail(settled.failure)
+        self._count(settled.landed)
+        if settled.answered and self._tracing is not None:
+            self._tracing.answered(settled.answered)  # the end of each request's span: it counts as answered
         self._settled = final
-
-    def _transact(self, transaction: Transaction) -> None:
-        """One transaction, in order:
-
-        1. begin it;
-        2. produce each request's answer (as the last transaction left it, when that one aborted);
-        3. commit it, with the requests' offsets; committing flushes, so each of its records is reported first;
-        4. committed: the requests are answered. Aborted (a record was refused, or the broker said so): the
-           requests stay held, each with its answer as it stands now, for the next transaction.
-        """
-        requests = transaction.requests
-        self._transaction, self._sent, self._doomed = transaction, [], None
-        try:
-            transaction.begin(self._producer)
-            now = time.monotonic()
-            # Plans of requests not in this transaction are stale: their partition moved to another member.
-            plans, self._plans = self._plans, {}
-            for request in requests:
-                # A plan may be empty: every record of it was given up on (unanswerable), and it commits as it is.
-                plan = plans[request] if request in plans else answer(request, self._dead_letter_topic, now)
-                self._plans[request] = plan
-                for delivery in list(plan):  # a record refused at once is replaced in the plan, and produced
-                    self._send(delivery)
-            try:
-                if self._doomed is not None:
-                    raise Abort(self._doomed)
-                transaction.commit(self._producer)
-            except Abort as abort:
-                self._epoch += 1  # what the aborted records still report is stale
-                self._in_flight.clear()
-                failure = transaction.abort(self._producer, abort.error)
-                if failure is not None:
-                    self._fail(failure)
-                return
-            for delivery in self._sent:
-                self._count(delivery)
-            self._plans = {}
-            self._trace_answered(requests)
-        finally:
-            self._transaction, self._sent = None, []
 
     # --- records
 
@@ -364,25 +318,15 @@ class Publisher:
             self._metrics.labelled(self._metrics.delivery_failures, "chunk").inc()
             log.warning("a stream chunk was not delivered: %s", error)
 
-    def _answer(self, request: Request, deliveries: list[Delivery]) -> None:
-        """Produce these records of a request answered outside a transaction."""
-        self._outstanding[request] = self._outstanding.get(request, 0) + len(deliveries)
-        for delivery in deliveries:
-            self._send(delivery)
-
     def _send(self, delivery: Delivery) -> None:
         topic, value, key, headers, partition = delivery.record
         kwargs = {} if partition is None else {"partition": partition}
         delivery.attempts += 1
-        delivery.epoch = self._epoch
-        delivery.in_transaction = self._transaction is not None
         while True:
             try:
                 self._producer.produce(topic, value, key, headers=headers,
                                        on_delivery=partial(self._on_delivery, delivery), **kwargs)
-                self._in_flight[delivery] = None
-                if delivery.in_transaction:
-                    self._sent.append(delivery)
+                self._in_flight.add(delivery)
                 return
             except BufferError:
                 # librdkafka's local queue is full: serve delivery reports until there is room.
@@ -393,54 +337,51 @@ class Publisher:
                 return
 
     def _on_delivery(self, delivery: Delivery, error: KafkaError | None, _message: Any) -> None:
-        if delivery.epoch != self._epoch:
-            return  # produced again since, by a new producer or in a new transaction
+        if delivery.epoch != self._in_flight.epoch:
+            return  # stale: produced again since, by a new producer, or in a transaction that aborted
         if error is not None and (self._fatal is not None or error.fatal()):
             self._fatal = self._fatal or error  # it stays in flight: the next producer produces it again
             return
-        del self._in_flight[delivery]
+        del self._in_flight.records[delivery]
         if error is not None:
             self._refused(delivery, error, at_once=False)
             return
         self._last_success = time.monotonic()
-        if not delivery.in_transaction:  # a transaction's records count once it commits
-            self._delivered(delivery)
+        self._delivery.delivered(delivery)
 
     def _refused(self, delivery: Delivery, error: KafkaError, *, at_once: bool) -> None:
         refusal = classify(error)
         if refusal is Refusal.FATAL or self._fatal is not None:
             self._fatal = self._fatal or error
-            self._in_flight[delivery] = None
+            self._in_flight.add(delivery)
             return
         self._metrics.labelled(self._metrics.delivery_failures, delivery.kind).inc()
-        if delivery.in_transaction and not (refusal is Refusal.PERMANENT and at_once):
-            # A refused record fails its transaction: the next one carries the record, or what replaces it.
-            self._doomed = self._doomed or error
-        if refusal is Refusal.TRANSIENT:
-            if not delivery.in_transaction:
-                self._retry_later(delivery, error)
+        replacements = None
+        if refusal is Refusal.PERMANENT:
+            log.error("%s to %s refused: %s", delivery.kind.replace("_", " "), delivery.record[0], error,
+                      extra=about(delivery.request))
+            replacements = self._replacements(delivery, error)
+        resend = self._delivery.refused(delivery, error, replacements, at_once)
+        if resend is None:
+            self._retry_later(delivery, error)
             return
-        log.error("%s to %s refused: %s", delivery.kind.replace("_", " "), delivery.record[0], error,
-                  extra=about(delivery.request))
-        self._replace(delivery, error, at_once)
+        for replacing in resend:
+            self._send(replacing)
 
-    def _replace(self, delivery: Delivery, error: KafkaError, at_once: bool) -> None:
-        """Answer the request another way (``answers.replacement``)."""
-        request = delivery.request
-        deliveries = replacement(delivery, error, self._dead_letter_topic, time.monotonic())
-        if not deliveries:
-            self._give_up(delivery, error)
-            return
-        if not delivery.in_transaction:
-            self._outstanding[request] -= 1
-            self._answer(request, deliveries)
-            return
-        plan = self._plans[request]
-        place = next(i for i, planned in enumerate(plan) if planned is delivery)
-        plan[place:place + 1] = deliveries
-        if at_once:
-            for replacing in deliveries:
-                self._send(replacing)
+    def _replacements(self, refused: Delivery, error: KafkaError) -> list[Delivery]:
+        """What answers the request instead (``answers.replacement``). When nothing can replace a record the broker
+        refused for good, the request is answered without it (by its other record, or by none), counted and logged,
+        and its offset committed past (see the module)."""
+        deliveries = replacement(refused, error, self._dead_letter_topic, time.monotonic())
+        if deliveries:
+            return deliveries
+        request = refused.request
+        self._metrics.unanswerable.inc()
+        request.fail(RequestError(f"unanswerable: {refused.record[0]} refused the {refused.kind.replace('_', ' ')}: "
+                                  f"{error.str()}", ErrorCode.INTERNAL_ERROR))
+        log.error("unanswerable request: %s refused its %s (%s) and nothing smaller can replace it; it is committed "
+                  "past without it", refused.record[0], refused.kind.replace("_", " "), error, extra=about(request))
+        return deliveries
 
     def _retry_later(self, delivery: Delivery, error: KafkaError) -> None:
         now = time.monotonic()
@@ -453,57 +394,20 @@ class Publisher:
                     delivery.record[0], error, backoff, extra=about(delivery.request))
         heapq.heappush(self._retries, (now + backoff, next(self._order), delivery))
 
-    def _give_up(self, refused: Delivery, error: KafkaError) -> None:
-        """Nothing can replace a record the broker refused for good: the request is answered without it (by its
-        other record, or by none), counted and logged, and its offset committed past (see the module)."""
-        request = refused.request
-        self._metrics.unanswerable.inc()
-        request.fail(RequestError(f"unanswerable: {refused.record[0]} refused the {refused.kind.replace('_', ' ')}: "
-                                  f"{error.str()}", ErrorCode.INTERNAL_ERROR))
-        log.error("unanswerable request: %s refused its %s (%s) and nothing smaller can replace it; it is committed "
-                  "past without it", refused.record[0], refused.kind.replace("_", " "), error, extra=about(request))
-        if refused.in_transaction:
-            self._plans[request].remove(refused)  # the next transaction, if this one aborts, goes without it
-        else:
-            self._settle(request)
-
-    def _delivered(self, delivery: Delivery) -> None:
-        self._count(delivery)
-        self._settle(delivery.request)
-
-    def _settle(self, request: Request) -> None:
-        """One record of ``request`` is done with (delivered, or given up on)."""
-        left = self._outstanding.get(request)
-        if left is None:
-            return  # given up on already (unanswerable)
-        if left > 1:
-            self._outstanding[request] = left - 1
+    def _count(self, landed: list[Delivery]) -> None:
+        """The records that count as delivered this turn, by kind, added to the metrics once per turn."""
+        if not landed:
             return
-        del self._outstanding[request]
-        self._answered.append(request)
-
-    def _count(self, delivery: Delivery) -> None:
-        """Counted here, added to the metrics once per turn (``_add_counted``)."""
-        self._counted[delivery.kind if delivery.kind == "dead_letter" or delivery.request.ok else "error"] += 1
-
-    def _add_counted(self) -> None:
-        if not self._counted:
-            return
-        counted, self._counted = self._counted, Tally()
+        counted = Tally(delivery.kind if delivery.kind == "dead_letter" or delivery.request.ok else "error"
+                        for delivery in landed)
         for kind, count in counted.items():
             if kind == "dead_letter":
                 self._metrics.dead_letters.inc(count)
             else:
                 self._metrics.labelled(self._metrics.replies, "ok" if kind == "reply" else "error").inc(count)
 
-    def _trace_answered(self, requests: list[Request]) -> None:
-        """The end of each request's span: when it counts as answered."""
-        if self._tracing is not None:
-            self._tracing.answered(requests)
-
     def _unanswerable(self, request: Request, why: str) -> None:
         """The broker stayed away past the retry bound: stop, and the request is served again after a restart."""
-        self._outstanding.pop(request, None)
         self._fail(f"a request cannot be answered ({why}); its offset stays uncommitted")
         log.critical("cannot answer the request: %s; stopping", why, extra=about(request))
 
@@ -530,15 +434,15 @@ class Publisher:
                                      f"with {len(self._producer)} records outstanding")
         if self._fatal is None:
             return
-        if not self._checkpoint.replaces_producer:
+        if not self._delivery.replaces_producer:
             raise KafkaException(self._fatal)
         self._replace_producer()
 
     def _stalled(self) -> bool:
-        """No successful delivery for the stall timeout while requests wait for one: the producer hands out
+        """No successful delivery for the stall timeout while records wait for one: the producer hands out
         records but nothing lands (after a broker lost its state, librdkafka's idempotent producer can fail
         every record without ever raising a fatal error)."""
-        if not self._outstanding:
+        if not self._outstanding():
             self._last_success = time.monotonic()
             return False
         return time.monotonic() - self._last_success > self._stall_timeout_s
@@ -550,15 +454,13 @@ class Publisher:
         # delivered by then stays in flight and is produced again below; a report it gives later is stale.
         old.purge(in_queue=True, in_flight=True, blocking=False)
         old.flush(_REPLACED_FLUSH_S)
-        self._epoch += 1
         self._producer = self._new_producer()
-        self._checkpoint.open(self._producer)
         self._fatal = None
         self._last_success = time.monotonic()
         self._metrics.producer_replacements.inc()
         # Records waiting out a backoff go at once: the producer they failed on is gone.
-        undelivered = [*self._in_flight, *(delivery for _, _, delivery in sorted(self._retries))]
-        self._in_flight, self._retries = {}, []
+        undelivered = [*self._in_flight.void(), *(delivery for _, _, delivery in sorted(self._retries))]
+        self._retries = []
         for delivery in undelivered:
             self._send(delivery)
         log.warning("new producer: %d records produced again", len(undelivered))

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import TopicPartition
 
@@ -33,6 +33,10 @@ from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.types import PartitionKey
 
+if TYPE_CHECKING:
+    from kinference.consumer.at_least_once import OffsetCommits
+    from kinference.consumer.exactly_once import ExactlyOnce
+
 log = logging.getLogger(__name__)
 
 
@@ -42,15 +46,15 @@ class Rebalance:
         config: ServiceConfig,
         intake: Intake[OffsetTracker],
         flow: FlowControl,
-        commit: Callable[[Any, list[PartitionKey]], None],
+        commits: OffsetCommits | ExactlyOnce,
         metrics: Metrics,
     ) -> None:
         """``intake``: its commit ledger, and ``discard``, which takes the not-yet-started requests of partitions out
-        of the batchers; ``commit(consumer, partitions)`` commits what is answered of them, synchronously."""
+        of the batchers; ``commits.commit(consumer, partitions)`` commits what is answered of them, and waits."""
         self._tracker = intake.tracker
         self._flow = flow
-        self._discard = intake.discard
-        self._commit = commit
+        self._intake = intake
+        self._commits = commits
         self._metrics = metrics
         self._incremental = config.incremental_rebalancing
         self._drain_s = config.rebalance_drain_ms / 1000
@@ -59,9 +63,6 @@ class Rebalance:
         self.partitions: set[PartitionKey] = set()
         self.joined = threading.Event()
         """Set at the first assignment, even an empty one: the member is in the group."""
-        self.group_metadata: Any = None
-        """The consumer's group generation, for ``send_offsets_to_transaction`` (zombie fencing). Read by the
-        publisher thread: asking the consumer from there blocks while the poll thread is inside it."""
 
     def on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         keys = _keys(partitions)
@@ -73,15 +74,13 @@ class Rebalance:
             consumer.assign(partitions)
             self.partitions = set(keys)
         self._flow.assigned(consumer, partitions, len(self.partitions))
-        self._read_generation(consumer)
         self._metrics.assigned_partitions.set(len(self.partitions))
         log.info("assigned %s", _names(keys))
         self.joined.set()
 
     def on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         keys = _keys(partitions)
-        self._read_generation(consumer)  # the commit below must carry it (exactly-once: KIP-447 fencing)
-        dropped = self._discard(keys)
+        dropped = self._intake.discard(keys)
         self._tracker.abandon(dropped)
         self._metrics.rebalance_dropped.inc(len(dropped))
         wait_s = self._drain_s if self.drain_until is None else max(0.0, min(self._drain_s,
@@ -89,7 +88,7 @@ class Rebalance:
         if not self._tracker.wait_idle(wait_s, keys):
             log.warning("revoke: in-flight requests of %s not answered within %.1f s; the next owner may answer "
                         "them again", _names(keys), wait_s)
-        self._commit(consumer, keys)
+        self._commits.commit(consumer, keys)
         # Logged before the unassign: from then on the group may hand the partitions to the next owner before this
         # thread runs again, and a line written later would claim them past the hand-over.
         log.info("revoked %s (%d waiting requests left to the next owner)", _names(keys), len(dropped))
@@ -98,7 +97,7 @@ class Rebalance:
     def on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         """Taken away without a clean revoke: another member owns them already, so committing would be wrong."""
         keys = _keys(partitions)
-        self._discard(keys)
+        self._intake.discard(keys)
         log.warning("lost %s", _names(keys))
         self._forget(consumer, partitions, keys)
 
@@ -109,19 +108,8 @@ class Rebalance:
         else:
             consumer.unassign()
         self.partitions -= set(keys)
-        self._read_generation(consumer)
         self._flow.revoked(len(self.partitions))
         self._metrics.assigned_partitions.set(len(self.partitions))
-
-    def _read_generation(self, consumer: Any) -> None:
-        """``group_metadata``, the group's generation now. A consumer leaving the group (``close``) has none, and
-        says so with a ``RuntimeError``: the last one read stays. Left to escape, that error would end the callback
-        half-way, the partitions still counted as this member's, and confluent-kafka turns it into a ``SystemError``
-        out of ``close()`` on Python 3.11 (seen in CI)."""
-        try:
-            self.group_metadata = consumer.consumer_group_metadata()
-        except RuntimeError as exc:
-            log.debug("no group generation to read: %s", exc)
 
 
 def _keys(partitions: Iterable[TopicPartition]) -> list[PartitionKey]:

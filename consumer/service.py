@@ -1,5 +1,5 @@
-"""The service: wires source -> intake -> models (batcher -> stages) -> publisher -> checkpoint, and owns their
-lifecycle. It takes no part in any request's path.
+"""The service: wires source -> intake -> models (batcher -> stages) -> publisher -> delivery mode (at-least-once or
+exactly-once), in ``Service._build``, and owns their lifecycle. It takes no part in any request's path.
 
 Start order: the stages first (each inference thread warms the model up), then the publisher, the source last,
 so that nothing is consumed before the model is ready and there is somewhere to send replies.
@@ -25,22 +25,23 @@ from typing import TYPE_CHECKING
 
 from confluent_kafka import KafkaException
 
-from kinference.consumer.budget import ByteBudget
-from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
+from kinference.consumer.at_least_once import AtLeastOnce, OffsetCommits
+from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.control import ControlReader
 from kinference.consumer.device_link import DeviceLink
 from kinference.consumer.endpoints import Endpoints, EndpointSettings
+from kinference.consumer.exactly_once import ExactlyOnce
 from kinference.consumer.intake import Intake
 from kinference.consumer.lag import LagMonitor
+from kinference.consumer.member_slot import MemberSlot
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.models import Models
 from kinference.consumer.publisher import Publisher, PublishSettings
-from kinference.consumer.request import Request, RequestDecoder
+from kinference.consumer.request import RequestDecoder
 from kinference.consumer.share import ShareLedger, ShareSource, set_share_group_start
 from kinference.consumer.source import Source
 from kinference.consumer.topic_metadata import ExistingTopics
-from kinference.consumer.transactions import MemberSlot, TransactionCheckpoint
 from kinference.errors import ConfigError
 from kinference.handlers import Handler
 
@@ -165,41 +166,35 @@ class Service:
         return self
 
     def _build(self, config: ServiceConfig) -> tuple[Publisher, Source | ShareSource]:
-        """The publisher, each model's batcher and stages, and the source with its intake (none started)."""
-        if isinstance(self.tracker, ShareLedger):
+        """The publisher, each model's batcher and stages, and the source with its intake (none started), wired in
+        the order a request goes through them."""
+        tracker = self.tracker
+        if isinstance(tracker, ShareLedger):
             set_share_group_start(config)  # first: a refusal (an ACL) leaves no client behind
-        checkpoint: TransactionCheckpoint | ConsumerCheckpoint
         producer_config = config.producer_config()
-        if config.delivery == "exactly-once":
-            checkpoint = TransactionCheckpoint(
-                self.tracker,  # type: ignore[arg-type]  # exactly-once is refused for share groups
-                group_metadata=lambda: self.source.group_metadata(),  # type: ignore[union-attr]  # set below
-                metrics=self.metrics,
-                commit_interval_s=config.commit_interval_ms / 1000,
-                timeout_s=config.transaction_call_timeout_s,
-            )
+        delivery: AtLeastOnce | ExactlyOnce
+        if config.delivery == "exactly-once" and isinstance(tracker, OffsetTracker):  # refused for share groups
+            delivery = ExactlyOnce(tracker, config.dead_letter_topic, self.metrics,
+                                   config.commit_interval_ms / 1000, config.transaction_call_timeout_s)
             producer_config["transactional.id"] = self._transactional_id(config)
         else:
-            # A share group's ledger takes the acknowledged requests too; its source acknowledges them itself.
-            checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, config.commit_interval_ms / 1000)
-        self.publisher = publisher = Publisher(producer_config, checkpoint, PublishSettings.of(config), self.metrics,
+            # A share group's ledger takes the answered requests too; its source acknowledges them.
+            delivery = AtLeastOnce(tracker, config.dead_letter_topic)
+        self.publisher = publisher = Publisher(producer_config, delivery, PublishSettings.of(config), self.metrics,
                                                tracing=self.tracing)
-        budget = ByteBudget(config.max_in_flight_bytes)
-
-        def finished(requests: list[Request]) -> None:
-            budget.release(requests)  # the stages are done with them: their decoded values go
-            publisher.submit(requests)
-
-        router = self.models.build(finished, self.metrics, self.tracing, stream=publisher.stream)
+        router = self.models.build(publisher, self.metrics, self.tracing)
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
                                  router=router, max_key_bytes=config.max_key_bytes,
                                  reply_topic_exists=self._existing_topics(config))
-        intake = Intake(decoder, self.tracker, self.models, self.tracing, budget)
-        if isinstance(self.tracker, ShareLedger):  # a share group has no offsets: no lag to measure
-            self.source = ShareSource(config, intake, self.metrics)
+        if isinstance(tracker, ShareLedger):  # a share group has no offsets: no lag to measure
+            self.source = ShareSource(config, Intake(decoder, tracker, self.models, self.tracing, publisher.budget),
+                                      self.metrics)
             return publisher, self.source
-        self.source = source = Source(config, intake, checkpoint, self.metrics)
+        commits = delivery if isinstance(delivery, ExactlyOnce) else OffsetCommits(
+            tracker, self.metrics, config.commit_interval_ms / 1000)
+        self.source = source = Source(config, Intake(decoder, tracker, self.models, self.tracing, publisher.budget),
+                                      commits, self.metrics)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: source.rebalance.partitions, self.metrics,
                               config.lag_interval_s)

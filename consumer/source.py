@@ -9,8 +9,8 @@ It alone calls the consumer (a librdkafka consumer is not to be shared across th
    whatever a record does, the loop goes on with the next one; then tell the ledger how far the consumer has
    gone (offsets it passed without handing a record over are gaps: transaction markers, aborted records,
    compaction; ``commit``);
-3. commit what is answered (the checkpoint: ``commit.ConsumerCheckpoint``; nothing here in exactly-once, where
-   offsets go into transactions);
+3. the delivery mode's turn (``at_least_once.OffsetCommits``: commit what is answered; exactly-once, where offsets
+   go into transactions, ``exactly_once.ExactlyOnce``: read the group's generation for them);
 4. pause or resume the partitions for flow control (``flow``).
 
 Rebalances run inside ``consume()`` (``rebalance``). Because this thread never runs the model, a slow model
@@ -26,18 +26,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+from kinference.consumer.at_least_once import OffsetCommits
 from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.exactly_once import ExactlyOnce
 from kinference.consumer.flow import FlowControl
 from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.rebalance import Rebalance
-from kinference.consumer.types import PartitionKey
 
 log = logging.getLogger(__name__)
 
@@ -97,40 +98,29 @@ def poll_until_closed(poll_once: Callable[[], None], closing: threading.Event, e
             time.sleep(_ERROR_BACKOFF_S)
 
 
-class Committer(Protocol):
-    """How answered offsets are committed: the checkpoint (``checkpoint.Checkpoint``)."""
-
-    @property
-    def in_flight(self) -> int:
-        """What flow control bounds."""
-
-    def maybe_commit(self, consumer: Any, now: float) -> None: ...
-
-    def commit(self, consumer: Any, partitions: list[PartitionKey] | None = None) -> None: ...
-
-
 class Source:
     def __init__(
         self,
         config: ServiceConfig,
         intake: Intake[OffsetTracker],
-        committer: Committer,
+        commits: OffsetCommits | ExactlyOnce,
         metrics: Metrics,
         consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
     ) -> None:
-        """``intake`` takes each poll's records in, tracked by its commit ledger (``intake.tracker``);
-        ``committer`` commits what is answered of them, and its ``in_flight`` is what flow control bounds."""
+        """``intake`` takes each poll's records in, tracked by its commit ledger (``intake.tracker``); ``commits``,
+        the delivery mode's poll-thread side, commits what is answered of them, and its ``in_flight`` is what flow
+        control bounds."""
         self._config = config
         self._intake = intake
         self._tracker = intake.tracker
-        self._committer = committer
+        self._commits = commits
         self.errors = ConsumerErrors(metrics, "consumer")
         self._budget = intake.budget
         self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics, intake.budget)
-        self.rebalance = Rebalance(config, intake, self._flow, committer.commit, metrics)
+        self.rebalance = Rebalance(config, intake, self._flow, commits, metrics)
         callbacks: dict[str, Any] = {"error_cb": self.errors.on_client, "stats_cb": self._on_stats}
-        if hasattr(committer, "on_commit"):
-            callbacks["on_commit"] = committer.on_commit
+        if isinstance(commits, OffsetCommits):  # exactly-once commits no offsets through the consumer
+            callbacks["on_commit"] = commits.on_commit
         self._consumer = consumer_factory({**config.consumer_config(), **callbacks})
         self._thread = threading.Thread(target=self._run, name="kinference-source", daemon=True)
         self._closing = threading.Event()
@@ -169,9 +159,6 @@ class Source:
         """Set once the member is in the group (its first assignment, even of no partitions)."""
         return self.rebalance.joined
 
-    def group_metadata(self) -> Any:
-        return self.rebalance.group_metadata
-
     # --- the poll thread
 
     def _run(self) -> None:
@@ -179,14 +166,14 @@ class Source:
             poll_until_closed(self._poll_once, self._closing, self.errors)
         finally:
             if self.errors.fatal is None:
-                self._committer.commit(self._consumer)
+                self._commits.commit(self._consumer)
             self._consumer.close()  # leaves the group: the partitions move to other members at once
             log.info("consumer closed")
 
     def _poll_once(self) -> None:
         self._take_in(self._fetch())
-        self._committer.maybe_commit(self._consumer, time.monotonic())
-        self._flow.update(self._consumer, self._committer.in_flight)
+        self._commits.turn(self._consumer, time.monotonic())
+        self._flow.update(self._consumer, self._commits.in_flight)
         if self._flow.draining and self._flow.paused:
             self._paused_for_good.set()
 
@@ -195,7 +182,7 @@ class Source:
         holds until n records or t seconds, which would add t to every request at low load. So: take
         what is queued; if nothing is, wait for one record and then take what came with it."""
         limit = self._budget.records_allowed(self._config.max_poll_records)
-        records = self._consumer.consume(limit, 0)
+        records: list[Any] = self._consumer.consume(limit, 0)
         if records:
             return records
         first = self._consumer.poll(_POLL_S)

@@ -65,7 +65,7 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
 
 @dataclass
 class FakeModels:
-    """The intake's downstream (``intake.Downstream``, ``models.Models`` in the service): records what it is
+    """The intake's downstream (``models.Models`` in the service): records what it is
     handed; ``route`` runs ``on_route`` first (a test's stand-in for a routing bug)."""
 
     admitted: list = field(default_factory=list)
@@ -217,6 +217,7 @@ class FakeProducer:
 
     def send_offsets_to_transaction(self, positions, metadata, timeout):
         self._call("send_offsets")
+        self.generation = metadata
         self.offsets = [(tp.topic, tp.partition, tp.offset) for tp in positions]
 
     def commit_transaction(self, timeout):

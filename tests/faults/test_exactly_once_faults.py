@@ -89,7 +89,7 @@ def test_a_transaction_call_that_times_out_is_repeated_not_aborted(caplog):
     transactional call: ``commit_transaction`` (or ``send_offsets_to_transaction``) fails with a retriable
     timeout and is made again, as librdkafka's contract says, instead of aborting. After SIGCONT every request is
     answered once and committed, and no transaction was aborted."""
-    caplog.set_level(logging.WARNING, logger="kinference.consumer.transactions")
+    caplog.set_level(logging.WARNING, logger="kinference.consumer.exactly_once")
     port = free_port()
     bootstrap = f"127.0.0.1:{port}"
     broker = EmbeddedBroker(port=port).start()

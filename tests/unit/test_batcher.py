@@ -24,7 +24,7 @@ def limits(policy, size, delay_ms, **others):
 
 def make_batcher(policy="static", size=4, delay_ms=50.0, clock=None, epoch_ms=lambda: 0.0):
     rejected = []
-    batcher = Batcher(limits(policy, size, delay_ms), rejected.append, clock=clock or Clock(), epoch_ms=epoch_ms)
+    batcher = Batcher(limits(policy, size, delay_ms), rejected.extend, clock=clock or Clock(), epoch_ms=epoch_ms)
     return batcher, rejected
 
 
@@ -139,7 +139,7 @@ def test_invalid_arguments_fail_at_construction(kwargs):
 def test_batches_stop_at_max_batch_bytes_but_take_at_least_one():
     clock = Clock()
     rejected = []
-    batcher = Batcher(limits("greedy", 10, 0, max_batch_bytes=10), rejected.append, clock=clock)
+    batcher = Batcher(limits("greedy", 10, 0, max_batch_bytes=10), rejected.extend, clock=clock)
     for size in (4, 4, 4, 30, 1):
         request = make_request(received=clock.now)
         request.value = b"x" * size
@@ -150,7 +150,7 @@ def test_batches_stop_at_max_batch_bytes_but_take_at_least_one():
 
 def test_static_batch_is_due_when_waiting_bytes_reach_the_limit():
     clock = Clock()
-    batcher = Batcher(limits("static", 10, 1000, max_batch_bytes=8), [].append, clock=clock)
+    batcher = Batcher(limits("static", 10, 1000, max_batch_bytes=8), [].extend, clock=clock)
     request = make_request(received=clock.now)
     request.value = b"x" * 8
     batcher.put(request)
@@ -161,7 +161,7 @@ def test_requests_older_than_max_queue_ms_are_shed_as_overloaded():
     clock = Clock()
     now_ms = [10_000.0]
     rejected = []
-    batcher = Batcher(limits("greedy", 10, 0), rejected.append, max_queue_ms=500, clock=clock,
+    batcher = Batcher(limits("greedy", 10, 0), rejected.extend, max_queue_ms=500, clock=clock,
                       epoch_ms=lambda: now_ms[0])
     stale_in_kafka = make_request(received=clock.now)
     stale_in_kafka.timestamp_ms = 9_000.0  # written to Kafka 1 s ago: shed on arrival
@@ -183,7 +183,7 @@ def test_requests_older_than_max_queue_ms_are_shed_as_overloaded():
 def test_expired_requests_do_not_take_places_in_the_batch():
     now_ms = [1_000.0]
     rejected = []
-    batcher = Batcher(limits("greedy", 3, 0), rejected.append, clock=Clock(), epoch_ms=lambda: now_ms[0])
+    batcher = Batcher(limits("greedy", 3, 0), rejected.extend, clock=Clock(), epoch_ms=lambda: now_ms[0])
     doomed = [make_request(deadline_ms=1_500) for _ in range(3)]
     live = [make_request() for _ in range(4)]
     for request in [doomed[0], live[0], doomed[1], doomed[2], live[1], live[2], live[3]]:
@@ -204,7 +204,7 @@ def take_tokens(batcher):
 
 
 def test_token_budget_groups_waiting_requests_by_length_around_the_oldest():
-    batcher = Batcher(limits("greedy", 4, 0, max_batch_tokens=1000), [].append, clock=Clock())
+    batcher = Batcher(limits("greedy", 4, 0, max_batch_tokens=1000), [].extend, clock=Clock())
     for tokens in (12, 200, 10, 180, 11, 190, 9, 220, 13):
         batcher.put(tokened(tokens))
     # The oldest (12) goes first, with the three waiting requests nearest to it in length.
@@ -216,7 +216,7 @@ def test_token_budget_groups_waiting_requests_by_length_around_the_oldest():
 
 
 def test_token_budget_bounds_longest_times_count_and_a_request_over_it_runs_alone():
-    batcher = Batcher(limits("greedy", 32, 0, max_batch_tokens=100), [].append, clock=Clock())
+    batcher = Batcher(limits("greedy", 32, 0, max_batch_tokens=100), [].extend, clock=Clock())
     for tokens in (30, 30, 30, 30, 500, 30):
         batcher.put(tokened(tokens))
     assert take_tokens(batcher) == [30, 30, 30]  # 4 x 30 = 120 > 100
@@ -225,7 +225,7 @@ def test_token_budget_bounds_longest_times_count_and_a_request_over_it_runs_alon
 
 
 def test_length_groups_do_not_mix_short_and_long_requests():
-    batcher = Batcher(limits("greedy", 32, 0, max_batch_tokens=100_000), [].append, clock=Clock())
+    batcher = Batcher(limits("greedy", 32, 0, max_batch_tokens=100_000), [].extend, clock=Clock())
     for tokens in (256, 10, 12, 120):
         batcher.put(tokened(tokens))
     # 120 is within 2 x + slack of 256, the short ones are not: padding them to 256 would cost
@@ -235,7 +235,7 @@ def test_length_groups_do_not_mix_short_and_long_requests():
 
 
 def test_no_request_is_starved_by_a_stream_of_other_lengths():
-    batcher = Batcher(limits("greedy", 4, 0, max_batch_tokens=10_000), [].append, clock=Clock())
+    batcher = Batcher(limits("greedy", 4, 0, max_batch_tokens=10_000), [].extend, clock=Clock())
     batcher.put(tokened(250))
     served_long_after = None
     for round_ in range(10):
@@ -248,7 +248,7 @@ def test_no_request_is_starved_by_a_stream_of_other_lengths():
 
 
 def test_without_token_budget_batches_stay_first_in_first_out():
-    batcher = Batcher(limits("greedy", 3, 0), [].append, clock=Clock())
+    batcher = Batcher(limits("greedy", 3, 0), [].extend, clock=Clock())
     for tokens in (12, 200, 10, 180):
         batcher.put(tokened(tokens))
     assert take_tokens(batcher) == [12, 200, 10]
@@ -257,7 +257,7 @@ def test_without_token_budget_batches_stay_first_in_first_out():
 def test_grouped_batches_still_shed_expired_requests_and_discard_revoked_partitions():
     now_ms = [1_000.0]
     rejected = []
-    batcher = Batcher(limits("greedy", 8, 0, max_batch_tokens=10_000), rejected.append, clock=Clock(),
+    batcher = Batcher(limits("greedy", 8, 0, max_batch_tokens=10_000), rejected.extend, clock=Clock(),
                       epoch_ms=lambda: now_ms[0])
     doomed = tokened(20, deadline_ms=1_500)
     revoked = tokened(21, partition=1)
@@ -278,7 +278,7 @@ def learned(batcher, fixed_s, per_unit_s, works=(1, 2, 4, 8, 16, 32)):
 
 def test_adaptive_dispatches_at_once_until_it_has_learned_the_batch_cost():
     clock = Clock()
-    batcher = Batcher(limits("adaptive", 32, 50), [].append, clock=clock)
+    batcher = Batcher(limits("adaptive", 32, 50), [].extend, clock=clock)
     for _ in range(5):
         batcher.put(make_request(received=clock.now))
     assert batcher.wait_s(clock.now) == 0.0
@@ -287,7 +287,7 @@ def test_adaptive_dispatches_at_once_until_it_has_learned_the_batch_cost():
 def busy_gpu_like(clock, max_batch_delay_ms, target_latency_ms):
     """An adaptive batcher that has learned a GPU-like cost (batches are nearly free to grow) and has
     seen 1000 requests/s for the last second."""
-    batcher = Batcher(limits("adaptive", 64, max_batch_delay_ms, target_latency_ms=target_latency_ms), [].append,
+    batcher = Batcher(limits("adaptive", 64, max_batch_delay_ms, target_latency_ms=target_latency_ms), [].extend,
                       clock=clock)
     learned(batcher, fixed_s=0.020, per_unit_s=0.0001)
     for _ in range(1000):
@@ -315,7 +315,7 @@ def test_adaptive_never_holds_past_the_latency_target_or_at_low_load():
     # The oldest came 5 ms ago and its batch takes >= 20 ms: at most ~5 ms more may pass.
     assert batcher.wait_s(clock.now) <= 0.0051
 
-    quiet = Batcher(limits("adaptive", 64, 1000, target_latency_ms=1000), [].append, clock=clock)
+    quiet = Batcher(limits("adaptive", 64, 1000, target_latency_ms=1000), [].extend, clock=clock)
     learned(quiet, fixed_s=0.020, per_unit_s=0.0001)
     quiet.arrivals.add(clock.now - 0.5)  # one request in the last second: nothing to wait for
     quiet.put(make_request(received=clock.now))
@@ -324,7 +324,7 @@ def test_adaptive_never_holds_past_the_latency_target_or_at_low_load():
 
 def test_adaptive_on_cpu_like_cost_behaves_greedy():
     clock = Clock()
-    batcher = Batcher(limits("adaptive", 64, 50), [].append, clock=clock)
+    batcher = Batcher(limits("adaptive", 64, 50), [].extend, clock=clock)
     learned(batcher, fixed_s=0.001, per_unit_s=0.003)  # cost grows with size: waiting cannot pay off
     for _ in range(100):
         clock.now += 0.01

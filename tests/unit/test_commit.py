@@ -3,7 +3,8 @@ import threading
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
+from kinference.consumer.at_least_once import OffsetCommits
+from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.metrics import Metrics
 from tests.fakes import make_request
 
@@ -193,26 +194,26 @@ class FakeConsumer:
         return None
 
 
-def answered_once() -> tuple[ConsumerCheckpoint, OffsetTracker, Metrics]:
+def answered_once() -> tuple[OffsetCommits, OffsetTracker, Metrics]:
     """A committer whose tracker has one answered record at offset 0 of P0."""
     tracker, metrics = OffsetTracker(), Metrics()
     tracker.assign([P0])
     request = make_request(offset=0)
     track(tracker, request)
     tracker.finish([request])
-    return ConsumerCheckpoint(tracker, metrics, interval_s=1.0), tracker, metrics
+    return OffsetCommits(tracker, metrics, interval_s=1.0), tracker, metrics
 
 
 def test_committer_commits_asynchronously_on_its_interval_and_learns_from_the_report():
     committer, _, metrics = answered_once()
     consumer = FakeConsumer()
-    committer.maybe_commit(consumer, now=100.0)
-    committer.maybe_commit(consumer, now=100.5)  # within the interval: nothing
+    committer.turn(consumer, now=100.0)
+    committer.turn(consumer, now=100.5)  # within the interval: nothing
     assert consumer.commits == [([("requests", 0, 1)], True)]
-    committer.maybe_commit(consumer, now=101.5)  # the first is not reported yet: commits never pile up
+    committer.turn(consumer, now=101.5)  # the first is not reported yet: commits never pile up
     assert len(consumer.commits) == 1
     committer.on_commit(None, [TopicPartition("requests", 0, 1)])
-    committer.maybe_commit(consumer, now=103.0)  # confirmed: nothing new to commit
+    committer.turn(consumer, now=103.0)  # confirmed: nothing new to commit
     assert len(consumer.commits) == 1 and metrics.commits._value.get() == 1
 
 

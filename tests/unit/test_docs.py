@@ -239,10 +239,66 @@ def consumer_imports(module: str) -> set[str]:
 
 def test_the_flow_diagram_follows_a_request_through_each_module_once_and_never_back():
     path = request_path()
-    assert path[:2] == ["source", "intake"] and path[-2:] == ["publisher", "checkpoint"], path
+    assert path[:2] == ["source", "intake"] and path[-3:] == ["publisher", "at_least_once", "exactly_once"], path
     assert len(path) == len(set(path)), f"a module comes twice: {path}"
     for module in path:
         assert (ROOT / "consumer" / f"{module}.py").is_file(), module
     for index, module in enumerate(path):
         back = (consumer_imports(module) & set(path[:index])) - {_TRAVELLING}
         assert not back, f"{module} reaches back to {sorted(back)}, before it on the request's path"
+
+
+def built_service(delivery: str):
+    """What ``Service._build`` wires for ``delivery``, nothing started (no broker: a client connects once used)."""
+    from kinference.consumer.config import ServiceConfig
+    from kinference.consumer.service import Service
+
+    config = ServiceConfig(request_topics=["requests"], handler="echo", delivery=delivery, transactional_id="tid",
+                           bootstrap_servers="127.0.0.1:9")
+    service = Service(config)
+    service.models.setup("cpu", service.metrics, None, None)
+    publisher, source = service._build(config)
+    return service, publisher, source
+
+
+def handed_on(service, publisher, source) -> list[tuple[str, object]]:
+    """The objects a request goes through, each found from the one before it in what the service built (not from
+    the diagram): the source's intake, its decoder and the models it routes to, a model's batcher, the stage
+    threads that pull from it, the publisher they hand finished requests to, and its delivery mode."""
+    intake = source._intake
+    (model,) = service.models.loaded
+    pipeline = model.pipeline
+    assert intake._models is service.models and pipeline._batches is model.batcher
+    # Bound methods, so that where they go is an object, not a closure over the wiring.
+    assert pipeline._emit.__self__ is publisher and service.models._answer.__self__ is publisher
+    assert model.batcher._reject.__self__ is publisher  # what the batcher refuses goes straight to its answer
+    return [("source", source), ("intake", intake), ("request", intake._decoder), ("models", intake._models),
+            ("batcher", model.batcher), ("stages", pipeline), ("publisher", pipeline._emit.__self__),
+            ("delivery", publisher._delivery)]
+
+
+@pytest.mark.parametrize(("delivery", "mode"), [("at-least-once", "at_least_once"), ("exactly-once", "exactly_once")])
+def test_the_service_wires_a_request_s_path_in_the_flow_diagram_s_order(delivery, mode):
+    """Issue 30, item 5: imports alone miss a hop that an injected callable takes (a closure in the service, a
+    protocol). Here each hop is an object the one before it holds, defined in the diagram's next module; the
+    commits on the poll thread work on the ledger the intake tracks requests in."""
+    from kinference.consumer.at_least_once import OffsetCommits
+
+    service, publisher, source = built_service(delivery)
+    try:
+        path = [module for module in request_path() if module not in {"at_least_once", "exactly_once"} - {mode}]
+        chain = handed_on(service, publisher, source)
+        modules = [type(obj).__module__.rsplit(".", 1)[-1] for _, obj in chain]
+        assert modules == path, f"Service builds {modules}; the diagram says {path}"
+        # The ledger the intake tracks each request in is the one the delivery mode hands it back to, answered, and
+        # the one the poll thread commits from (exactly-once: the delivery mode is also the poll thread's commits).
+        tracker, delivery_mode, commits = source._intake.tracker, publisher._delivery, source._commits
+        if mode == "exactly_once":
+            assert delivery_mode._tracker is tracker and commits is delivery_mode
+        else:
+            assert delivery_mode._ledger is tracker and isinstance(commits, OffsetCommits)
+            assert commits._tracker is tracker
+        assert source.rebalance._commits is commits
+    finally:  # the clients Service made: their threads and connection attempts end here
+        source._consumer.close()
+        publisher._producer = service.lag._admin = None

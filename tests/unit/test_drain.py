@@ -20,6 +20,10 @@ def test_a_sample_goes_to_its_innermost_known_stage():
     inference = f"{ROOT};StagePool._process (consumer/stages.py:186);Pipeline._inference (consumer/stages.py:305)"
     assert stage_of(f"{inference};Module._call_impl (torch/nn/modules/module.py:1)".split(";")) == "inference"
     assert stage_of([ROOT, "something (elsewhere.py:1)"]) == "other"
+    report = f"{ROOT};Publisher._run (consumer/publisher.py:1);Publisher._on_delivery (consumer/publisher.py:2)"
+    assert stage_of(f"{report};AtLeastOnce._settle (consumer/at_least_once.py:3)".split(";")) \
+        == "publish: delivery reports"
+    assert stage_of(f"{poll};OffsetCommits.turn (consumer/at_least_once.py:4)".split(";")) == "commit"
 
 
 def test_a_profile_sums_samples_per_stage_and_leaves_waiting_out():

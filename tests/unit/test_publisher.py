@@ -1,18 +1,19 @@
 """The publisher's delivery bookkeeping, with a fake producer (pure logic: no broker).
 
-The suite runs against both checkpoints: whatever answers a request, and whatever replaces a refused record, is the
-same in both delivery modes; only when the answer becomes durable differs. Tests of one mode's own rules follow
-(exactly-once's transactional contract is in ``test_transactions``)."""
+The suite runs against both delivery modes: whatever answers a request, and whatever replaces a refused record, is the
+same in both; only when the answer becomes durable differs. Tests of one mode's own rules follow (exactly-once's
+transactional contract is in ``test_transactions``)."""
 
 from __future__ import annotations
 
 import pytest
 from confluent_kafka import KafkaError, TopicPartition
 
-from kinference.consumer.commit import ConsumerCheckpoint, OffsetTracker
+from kinference.consumer.at_least_once import AtLeastOnce
+from kinference.consumer.commit import OffsetTracker
+from kinference.consumer.exactly_once import ExactlyOnce
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.publisher import Publisher, PublishSettings
-from kinference.consumer.transactions import TransactionCheckpoint
 from kinference.errors import RequestError
 from kinference.protocol import ERROR_CODE, ErrorCode, encode_result
 from tests.fakes import FakeProducer, make_request, wait_for
@@ -22,7 +23,7 @@ AT_LEAST_ONCE, EXACTLY_ONCE = "at-least-once", "exactly-once"
 
 
 class Harness:
-    """A started publisher with one checkpoint, its tracker, and what has become durable."""
+    """A started publisher with one delivery mode, its tracker, and what has become durable."""
 
     def __init__(self, mode: str, producers, **options) -> None:
         FakeProducer.instances.clear()
@@ -30,15 +31,15 @@ class Harness:
         self.tracker = OffsetTracker()
         self.tracker.assign([P0])
         self.metrics = Metrics()
+        delivery: AtLeastOnce | ExactlyOnce
         if mode == EXACTLY_ONCE:
-            checkpoint = TransactionCheckpoint(self.tracker, lambda: "generation-1", self.metrics,
-                                               commit_interval_s=0.05)
+            delivery = ExactlyOnce(self.tracker, "dead", self.metrics, commit_interval_s=0.05)
             config = {"transactional.id": "tid"}
         else:
-            checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, interval_s=1.0)
+            delivery = AtLeastOnce(self.tracker, "dead")
             config = {}
         factories = iter(producers)
-        self.publisher = Publisher(config, checkpoint, PublishSettings("dead", queue_size=100, **options), self.metrics,
+        self.publisher = Publisher(config, delivery, PublishSettings("dead", queue_size=100, **options), self.metrics,
                                    producer_factory=lambda c: next(factories)(c))
         self.publisher.start()
 

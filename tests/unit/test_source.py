@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from confluent_kafka import KafkaError, TopicPartition
 
 from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.exactly_once import ExactlyOnce
 from kinference.consumer.flow import FlowControl
 from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
@@ -96,14 +98,15 @@ class Committer:
     def in_flight(self) -> int:
         return self._tracker.in_flight
 
-    def maybe_commit(self, consumer, now):
+    def turn(self, consumer, now):
         pass
 
     def commit(self, consumer, partitions=None):
         consumer.calls.append(("commit", partitions))
 
 
-def make_source(metrics: Metrics | None = None, **overrides: Any):
+def make_source(metrics: Metrics | None = None, commits: Callable[[OffsetTracker], Any] = Committer, **overrides: Any):
+    """``commits(tracker)``: the poll thread's commits (a fake that records them, by default)."""
     config = ServiceConfig(request_topics=["requests"], **overrides)
     tracker = OffsetTracker()
 
@@ -113,7 +116,7 @@ def make_source(metrics: Metrics | None = None, **overrides: Any):
 
     models = FakeModels(on_route=route)
     intake = Intake(RequestDecoder("replies", 1000), tracker, models)
-    source = Source(config, intake, Committer(tracker), metrics or Metrics(), consumer_factory=FakeConsumer)
+    source = Source(config, intake, commits(tracker), metrics or Metrics(), consumer_factory=FakeConsumer)
     return source, source._consumer, tracker, models.routed, models.answered
 
 
@@ -226,15 +229,17 @@ def test_a_partition_assigned_back_after_a_pause_is_resumed():
 def test_leaving_the_group_ends_the_revoke_although_the_consumer_has_no_generation_left(strategy, unassign, caplog):
     """Once close() has unassigned, the consumer has no group metadata and says so with a RuntimeError (seen in CI on
     a clean stop): the revoke still ends, so the partitions stop counting as this member's, and the poll thread
-    closes the consumer cleanly."""
+    closes the consumer cleanly. Exactly-once reads the generation on a revoke (no publisher here: its transaction
+    never comes, and it waits its 0.05 s)."""
     metrics = Metrics()
-    source, consumer, *_ = make_source(metrics, kafka_consumer={"partition.assignment.strategy": strategy})
+    source, consumer, *_ = make_source(metrics, kafka_consumer={"partition.assignment.strategy": strategy},
+                                       commits=lambda tracker: ExactlyOnce(tracker, "dead", metrics, 1.0, 0.05))
     source._on_assign(consumer, [tp(0), tp(1)])
     source.start()
     with caplog.at_level(logging.INFO, logger="kinference.consumer"):
         source.close(time.monotonic() + 5)
     assert not source._thread.is_alive() and "consumer closed" in caplog.text
-    assert source.rebalance.partitions == set() and source.rebalance.group_metadata == "generation"
+    assert source.rebalance.partitions == set()
     assert metrics.registry.get_sample_value("kinference_assigned_partitions") == 0
     assert consumer.calls[-2:] == [unassign, ("close", None)]
 

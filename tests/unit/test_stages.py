@@ -395,7 +395,7 @@ def test_a_busy_inference_thread_gets_a_full_batch_queued_behind_it_but_never_a_
     handler = StuckHandler()
     emitted: list = []
     batcher = Batcher(Batching(batch_policy="greedy", max_batch_size=4, max_batch_delay_ms=0.0, max_batch_tokens=None,
-                               max_batch_bytes=None), lambda request: None)
+                               max_batch_bytes=None), lambda requests: None)
     pipeline = Pipeline(run(handler, max_batch_size=4), batcher, emitted.extend, Metrics())
 
     def put(*values):

@@ -1,14 +1,15 @@
-"""The exactly-once checkpoint's transactional contract, through the publisher, with a fake transactional producer
-(pure logic). What both checkpoints share is tested in ``test_publisher``."""
+"""Exactly-once's transactional contract (``exactly_once``), through the publisher, with a fake transactional producer
+(pure logic). What both delivery modes share is tested in ``test_publisher``."""
 
 from __future__ import annotations
 
 from confluent_kafka import KafkaError, KafkaException
 
 from kinference.consumer.commit import OffsetTracker
+from kinference.consumer.exactly_once import ABORTS_BEFORE_UNHEALTHY, ExactlyOnce
+from kinference.consumer.member_slot import MemberSlot
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.publisher import Publisher, PublishSettings
-from kinference.consumer.transactions import ABORTS_BEFORE_UNHEALTHY, MemberSlot, TransactionCheckpoint
 from kinference.protocol import encode_result
 from tests.fakes import FakeProducer, make_request, wait_for
 
@@ -27,14 +28,13 @@ def fatal(code=KafkaError._FENCED):
     return KafkaException(KafkaError(code, "fenced", fatal=True))
 
 
-def new_checkpoint(tracker: OffsetTracker) -> TransactionCheckpoint:
-    return TransactionCheckpoint(tracker, group_metadata=lambda: "generation-1", metrics=Metrics(),
-                                 commit_interval_s=0.05)
+def new_checkpoint(tracker: OffsetTracker) -> ExactlyOnce:
+    return ExactlyOnce(tracker, "dead", metrics=Metrics(), commit_interval_s=0.05)
 
 
-def publisher_with(tracker: OffsetTracker, failures=None, checkpoint: TransactionCheckpoint | None = None,
+def publisher_with(tracker: OffsetTracker, failures=None, checkpoint: ExactlyOnce | None = None,
                    **options) -> tuple[Publisher, FakeProducer]:
-    """A started publisher with the exactly-once checkpoint, and its fake producer (``FakeProducer``'s options)."""
+    """A started publisher with exactly-once, and its fake producer (``FakeProducer``'s options)."""
     checkpoint = checkpoint or new_checkpoint(tracker)
     FakeProducer.instances.clear()
     publisher = Publisher({"transactional.id": "tid"}, checkpoint, PublishSettings("dead", queue_size=100), Metrics(),
@@ -155,6 +155,33 @@ def test_a_stale_request_of_a_revoked_assignment_never_replaces_the_new_one():
     publisher.stop(5)
     (records, offsets), = producer.committed
     assert records == [("replies", encode_result({"assignment": "new"}))] and offsets == [("requests", 0, 1)]
+
+
+class GroupConsumer:
+    """A consumer's group generation, as the poll thread reads it; None: it has left the group and has none."""
+
+    generation: str | None = "generation-1"
+
+    def consumer_group_metadata(self):
+        if self.generation is None:
+            raise RuntimeError("Consumer group metadata not available")  # confluent-kafka's words, on a real close
+        return self.generation
+
+
+def test_the_poll_thread_reads_the_generation_that_fences_the_transaction_and_keeps_it_once_none_is_left():
+    """KIP-447: each transaction carries the group generation the poll thread read last (the publisher thread cannot
+    ask the consumer). A revoke while leaving the group finds none: it does not fail, and the last one stays."""
+    tracker = new_tracker()
+    checkpoint = ExactlyOnce(tracker, "dead", metrics=Metrics(), commit_interval_s=0.05, timeout_s=0.05)
+    consumer = GroupConsumer()
+    checkpoint.turn(consumer, 0.0)
+    consumer.generation = None
+    checkpoint.commit(consumer, [P0])  # no publisher yet: waits its 0.05 s for a transaction, and goes on
+    publisher, producer = publisher_with(tracker, checkpoint=checkpoint)
+    publisher.submit([tracked(tracker, 0)])
+    assert wait_for(lambda: producer.committed)
+    publisher.stop(5)
+    assert producer.generation == "generation-1"
 
 
 def test_member_slots_are_stable_per_host_and_distinct_between_live_members(tmp_path):
