@@ -199,23 +199,23 @@ class _ProtoJson:
         descriptor = message.DESCRIPTOR
         name = descriptor.full_name
         if descriptor.file.name == _WRAPPERS:
-            return self.scalar(descriptor.fields_by_name["value"], message.value)  # type: ignore[attr-defined]
+            return self.scalar(descriptor.fields_by_name["value"], message.value)
         if name in _AS_STRING:
-            return message.ToJsonString()  # type: ignore[attr-defined]
+            return message.ToJsonString()
         if name == "google.protobuf.Value":
             return self.value(message, level)
         self.level(level)
         if name == "google.protobuf.ListValue":
-            return [self.value(item, level + 1) for item in message.values]  # type: ignore[attr-defined]
+            return [self.value(item, level + 1) for item in message.values]
         if name == "google.protobuf.Struct":
-            fields = message.fields  # type: ignore[attr-defined]
+            fields = message.fields
             return {key: self.value(fields[key], level + 1) for key in fields}
         if name == "google.protobuf.Any":
             return self.any(message, level)
         return self.fields(message, level)
 
     def fields(self, message: Message, level: int) -> dict[str, Any]:
-        converted = {}
+        converted: dict[str, Any] = {}
         for field, value in message.ListFields():
             name = f"[{field.full_name}]" if field.is_extension else field.name
             if field.message_type is not None and field.message_type.GetOptions().map_entry:
@@ -275,8 +275,8 @@ class _ProtoJson:
         kind = value.WhichOneof("kind")
         if kind is None or kind == "null_value":
             return None
-        if kind == "number_value" and not math.isfinite(value.number_value):  # type: ignore[attr-defined]
-            raise ValueError(f"Value.number_value is {value.number_value}, which JSON cannot hold")  # type: ignore[attr-defined]
+        if kind == "number_value" and not math.isfinite(value.number_value):
+            raise ValueError(f"Value.number_value is {value.number_value}, which JSON cannot hold")
         if kind in ("struct_value", "list_value"):
             return self.message(getattr(value, kind), level)
         return getattr(value, kind)
@@ -285,10 +285,10 @@ class _ProtoJson:
         """An ``Any``: its message (from the default pool, as ``json_format`` finds it), with ``@type``."""
         if not message.ListFields():
             return {}
-        url = message.type_url  # type: ignore[attr-defined]
+        url = message.type_url
         descriptor: Descriptor = descriptor_pool.Default().FindMessageTypeByName(url.split("/")[-1])
         inner = message_factory.GetMessageClass(descriptor)()
-        inner.ParseFromString(message.value)  # type: ignore[attr-defined]
+        inner.ParseFromString(message.value)
         converted = self.message(inner, level)
         if descriptor.full_name in _WELL_KNOWN or descriptor.file.name == _WRAPPERS:
             return {"@type": url, "value": converted}
