@@ -28,11 +28,9 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.internal import type_checkers
 from google.protobuf.message import Message
 
+from kinference.consumer.jsonscan import TOO_DEEP
 from kinference.errors import RequestError
 from kinference.protocol import MAX_JSON_DEPTH, ErrorCode
-
-TOO_DEEP = f"request value nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
-"""The message of a value that nests too deep, in every format (JSON's own says the same)."""
 
 # --- Avro
 

@@ -278,10 +278,10 @@ class SchemaRegistryFormat:
         if self.value_format == "protobuf":
             return ProtobufRecords(self.client, self._read_conf)
         # Not validated against the writer's schema again: its producer's serializer did, and jsonschema takes a
-        # Python step per element (a 957 KB array of empty arrays: 3 s of the poll thread). Parsed as kinference's
-        # JSON is, the garbage collector waiting (jsonscan.loads).
+        # Python step per element (a 957 KB array of empty arrays: 3 s of the poll thread). Parsed and bounded in
+        # depth as kinference's JSON is, the garbage collector waiting.
         return JSONDeserializer(None, schema_registry_client=self.client, conf={**self._read_conf, "validate": False},
-                                json_decode=jsonscan.loads)
+                                json_decode=jsonscan.loads_within_depth)
 
 
 class BoundedAvroDeserializer(AvroDeserializer):

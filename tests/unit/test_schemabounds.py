@@ -13,6 +13,7 @@ import orjson
 import pytest
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.schema_registry.json_schema import JSONSerializer
 from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import (
@@ -250,3 +251,21 @@ def test_a_protobuf_value_nested_deeper_than_the_limit_is_a_bad_request():
     inner.add_list()
     with pytest.raises(RequestError, match="deeper than 64 levels"):
         message_to_dict(nested)
+
+
+def test_a_json_schema_record_nested_deeper_than_the_limit_is_a_bad_request():
+    """Before, a JSON Schema record was parsed without the depth check of kinference's JSON: 100 deep reached the
+    handler."""
+    client = registry()
+    schema = orjson.dumps({"$schema": "http://json-schema.org/draft-07/schema#", "title": "Deep", "type": "object"})
+    write = JSONSerializer(schema.decode(), client)
+    decoder = RequestDecoder("replies", 960_000, schemas=SchemaRegistryFormat("jsonschema", client))
+    for depth, ok in ((MAX_JSON_DEPTH, True), (MAX_JSON_DEPTH + 1, False), (100, False)):
+        deep: object = {}
+        for _ in range(depth - 1):
+            deep = {"a": deep}
+        request = decoder.decode(FakeRecord(write(deep, CONTEXT)))
+        assert request.ok == ok, depth
+        if not ok:
+            assert request.dead_letter and request.error.code is ErrorCode.BAD_REQUEST
+            assert request.error.message == TOO_DEEP
