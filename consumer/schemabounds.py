@@ -218,8 +218,9 @@ class _ProtoJson:
             name = f"[{field.full_name}]" if field.is_extension else field.name
             if field.message_type is not None and field.message_type.GetOptions().map_entry:
                 value_field = field.message_type.fields_by_name["value"]
-                self.level(level + 1)
-                converted[name] = {_map_key(key): self.item(value_field, value[key], level + 1) for key in value}
+                keys = list(value)
+                values = self.repeated(value_field, [value[key] for key in keys], self.level(level + 1))
+                converted[name] = dict(zip(map(_map_key, keys), values, strict=True))
             elif field.is_repeated:
                 converted[name] = self.repeated(field, value, self.level(level + 1))
             else:
@@ -233,7 +234,8 @@ class _ProtoJson:
         return self.scalar(field, value)
 
     def repeated(self, field: FieldDescriptor, values: Any, level: int) -> list[Any]:
-        """A repeated field's list, at ``level``: one C call per field for the scalar types."""
+        """The values of a repeated field (or a map's values), in a container at ``level``: one C call per field for
+        the scalar types."""
         kind = field.cpp_type
         if kind == FieldDescriptor.CPPTYPE_MESSAGE:
             inner = field.message_type
@@ -265,7 +267,9 @@ class _ProtoJson:
         if kind in _INT64:
             return str(value)
         if kind in _FLOATS:
-            return _floats([value], kind == FieldDescriptor.CPPTYPE_FLOAT)[0]
+            if not math.isfinite(value):
+                return _NON_FINITE.get(value, "NaN")
+            return type_checkers.ToShortestFloat(value) if kind == FieldDescriptor.CPPTYPE_FLOAT else value
         return value
 
     def value(self, value: Message, level: int) -> Any:

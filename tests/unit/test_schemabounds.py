@@ -126,6 +126,9 @@ def _messages() -> dict[str, type]:
     entry = every.nested_type.add(name="WeightsEntry", options=descriptor_pb2.MessageOptions(map_entry=True))
     entry.field.add(name="key", number=1, type=FIELD.TYPE_INT64)
     entry.field.add(name="value", number=2, type=FIELD.TYPE_MESSAGE, type_name=".shop.Node")
+    scores = every.nested_type.add(name="ScoresEntry", options=descriptor_pb2.MessageOptions(map_entry=True))
+    scores.field.add(name="key", number=1, type=FIELD.TYPE_BOOL)
+    scores.field.add(name="value", number=2, type=FIELD.TYPE_FLOAT)
     scalars = [FIELD.TYPE_DOUBLE, FIELD.TYPE_FLOAT, FIELD.TYPE_INT64, FIELD.TYPE_UINT64, FIELD.TYPE_INT32,
                FIELD.TYPE_FIXED64, FIELD.TYPE_FIXED32, FIELD.TYPE_BOOL, FIELD.TYPE_STRING, FIELD.TYPE_BYTES,
                FIELD.TYPE_UINT32, FIELD.TYPE_SFIXED32, FIELD.TYPE_SFIXED64, FIELD.TYPE_SINT32, FIELD.TYPE_SINT64]
@@ -144,6 +147,8 @@ def _messages() -> dict[str, type]:
             every.field.add(name=f"{name}{number}", number=number, type=kind, label=label, type_name=type_name)
     every.field.add(name="weights", number=number + 1, type=FIELD.TYPE_MESSAGE, label=FIELD.LABEL_REPEATED,
                     type_name=".shop.Every.WeightsEntry")
+    every.field.add(name="scores", number=number + 2, type=FIELD.TYPE_MESSAGE, label=FIELD.LABEL_REPEATED,
+                    type_name=".shop.Every.ScoresEntry")
     pool = descriptor_pool.Default()  # where Any's messages are found, as json_format finds them
     pool.Add(file)
     return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"shop.{name}"))
@@ -160,6 +165,10 @@ def _every() -> object:
         if field.name == "weights":
             every.weights[7].v = 3
             every.weights[-8].SetInParent()
+            continue
+        if field.name == "scores":
+            every.scores[True] = 0.1
+            every.scores[False] = math.inf
             continue
         target = getattr(every, field.name)
         kind = field.type
