@@ -17,7 +17,7 @@ PYTEST_WORKERS ?= 4
 # (eager, cooperative, KIP-848), crash, shutdown and exit, share groups (KIP-932, Kafka only), and offsets with gaps
 # (transactional upstreams, compaction: Kafka only). README: Tests.
 KAFKA_TESTS ?= tests/integration/test_service.py tests/integration/test_client.py tests/integration/test_exactly_once.py \
-	tests/integration/test_offset_gaps.py \
+	tests/integration/test_offset_gaps.py tests/faults/test_hostile_input.py \
 	tests/faults/test_exactly_once_crash.py tests/faults/test_exactly_once_faults.py tests/faults/test_rebalance.py \
 	tests/faults/test_crash.py tests/faults/test_shutdown.py tests/faults/test_exit.py tests/faults/test_share_groups.py
 

@@ -14,6 +14,12 @@ from typing import Any
 import numpy as np
 import orjson
 
+from kinference.errors import RequestError
+from kinference.protocol import MAX_JSON_DEPTH, ErrorCode
+
+TOO_DEEP = f"request value nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+"""What a value nested too deep gets, in every format (a Schema Registry record's too: ``schemabounds``)."""
+
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 _OPEN_LIST, _OPEN_OBJECT, _CLOSE_LIST, _CLOSE_OBJECT = (ord(c) for c in "[{]}")
 
@@ -59,6 +65,15 @@ def loads(value: bytes) -> Any:
         return orjson.loads(value)
     with collector_paused():
         return orjson.loads(value)
+
+
+def loads_within_depth(value: bytes) -> Any:
+    """``loads(value)``; ``RequestError`` (``bad_request``, ``TOO_DEEP``) when it nests deeper than ``MAX_JSON_DEPTH``
+    levels, as kinference's JSON may not. ``orjson.JSONDecodeError`` when it is not JSON."""
+    document = loads(value)
+    if not nested_within(value, MAX_JSON_DEPTH):
+        raise RequestError(TOO_DEEP, ErrorCode.BAD_REQUEST)
+    return document
 
 
 @contextmanager

@@ -114,7 +114,7 @@ def decode(value: bytes | None, key: bytes | None, headers: dict[str, bytes | No
         raise RequestError(f"model {model.name!r} version {version!r} is not served here (version "
                            f"{model.version!r} is)", ErrorCode.MODEL_NOT_FOUND)
     try:
-        body = jsonscan.loads(value or b"")
+        body = jsonscan.loads_within_depth(value or b"")
     except orjson.JSONDecodeError as exc:
         raise RequestError(f"the value is not an OIP InferenceRequest (not JSON: {exc})",
                            ErrorCode.BAD_REQUEST) from exc

@@ -44,9 +44,9 @@ from confluent_kafka.schema_registry.common.serde import SchemaId
 from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer
 from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
-from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from kinference.consumer import jsonscan
+from kinference.consumer import jsonscan, schemabounds
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.types import Headers
 from kinference.errors import ConfigError, RequestError
@@ -230,7 +230,10 @@ class SchemaRegistryFormat:
             raise RequestError(f"request value is empty; expected a {self.name} record", ErrorCode.BAD_REQUEST)
         context = SerializationContext(topic, MessageField.VALUE, headers)
         try:
-            record = self._reader(value, context)
+            with jsonscan.collector_paused():  # a wide record makes as many lists or dicts as a wide JSON value
+                record = self._reader(value, context)
+        except RequestError:
+            raise  # the value or its schema is past a bound (schemabounds): the reason is the message
         except SchemaRegistryError as exc:
             if exc.http_status_code is not None and 400 <= exc.http_status_code < 500:
                 raise RequestError(f"the request's schema is not in the Schema Registry: {exc}",
@@ -270,14 +273,32 @@ class SchemaRegistryFormat:
 
     def _deserializer(self) -> Callable[[bytes, SerializationContext], Any]:
         if self.value_format == "avro":
-            return AvroDeserializer(self.client, conf=self._read_conf)
+            schemabounds.register_nesting_limit()
+            return BoundedAvroDeserializer(self.client, conf=self._read_conf)
         if self.value_format == "protobuf":
             return ProtobufRecords(self.client, self._read_conf)
         # Not validated against the writer's schema again: its producer's serializer did, and jsonschema takes a
-        # Python step per element (a 957 KB array of empty arrays: 3 s of the poll thread). Parsed as kinference's
-        # JSON is, the garbage collector waiting (jsonscan.loads).
+        # Python step per element (a 957 KB array of empty arrays: 3 s of the poll thread). Parsed and bounded in
+        # depth as kinference's JSON is, the garbage collector waiting.
         return JSONDeserializer(None, schema_registry_client=self.client, conf={**self._read_conf, "validate": False},
-                                json_decode=jsonscan.loads)
+                                json_decode=jsonscan.loads_within_depth)
+
+
+class BoundedAvroDeserializer(AvroDeserializer):
+    """confluent-kafka's Avro deserializer, reading each writer's schema as ``schemabounds.bounded_avro_schema``
+    makes it: no value nests deeper than ``MAX_JSON_DEPTH`` levels, and an array's items take bytes. Its
+    ``_get_parsed_schema`` (present since confluent-kafka 2.12, the pin .ci/lowest-versions.sh tests) parses each
+    schema it reads with."""
+
+    def __init__(self, client: SchemaRegistryClient, conf: dict[str, Any]) -> None:
+        self._bounded: dict[Any, Any] = {}
+        super().__init__(client, conf=conf)
+
+    def _get_parsed_schema(self, schema: Any) -> Any:
+        bounded = self._bounded.get(schema)
+        if bounded is None:
+            bounded = self._bounded[schema] = schemabounds.bounded_avro_schema(super()._get_parsed_schema(schema))
+        return bounded
 
 
 class ProtobufRecords:
@@ -308,4 +329,4 @@ class ProtobufRecords:
             message_class = message_factory.GetMessageClass(descriptor)
             deserializer = self._by_schema[key] = ProtobufDeserializer(message_class, self._conf, self._client)
         message = deserializer(value, context)
-        return json_format.MessageToDict(message, preserving_proto_field_name=True)
+        return schemabounds.message_to_dict(message)

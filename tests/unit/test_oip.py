@@ -235,3 +235,14 @@ def test_a_wide_input_costs_about_what_a_normal_value_of_its_size_costs():
         ratio = cost_ratio(lambda value=value: decoder.decode(FakeRecord(value, headers=MLSERVER_HEADERS)),
                            lambda: decoder.decode(FakeRecord(normal)))
         assert ratio < 15, f"a {len(value)}-byte {name} OIP input costs {ratio:.1f}x a normal value of {len(normal)}"
+
+
+def test_a_request_nested_deeper_than_kinferences_json_may_is_a_bad_request():
+    """Issue 29, item 4: OIP requests are bounded in depth as kinference's JSON is; before, parameters nested 100
+    deep were decoded and kept."""
+    deep: object = "x"
+    for _ in range(100):
+        deep = [deep]
+    with pytest.raises(RequestError, match="deeper than 64 levels") as raised:
+        oip.decode(request(parameters={"extra": deep}), None, {}, MODEL, "json", "c")
+    assert raised.value.code == ErrorCode.BAD_REQUEST
