@@ -62,7 +62,7 @@ def uniform_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)
 
 
-class SeededSampling(ContinuousBatchingLogitsProcessor):  # type: ignore[misc]
+class SeededSampling(ContinuousBatchingLogitsProcessor):
     """The draw of seeded requests' rows (see the module); a request passes ``seed=<int>`` to ``add_request``."""
 
     supported_kwargs: dict[str, type] = {"seed": int}
