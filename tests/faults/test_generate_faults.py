@@ -182,6 +182,7 @@ class GenerationAudit:
     """Correlation id -> (partition, offset) of the request."""
     attempts: dict[str, dict[str, Attempt]]
     """Correlation id -> attempt id -> its records, by reply offset."""
+    commits: dict[str, int] = field(default_factory=dict)
 
     def finals(self, cid: str) -> list[Record]:
         return sorted((a.final for a in self.attempts.get(cid, {}).values() if a.final is not None),
@@ -203,7 +204,7 @@ class GenerationAudit:
                 "requests with 2+ finals": sum(len(self.finals(cid)) > 1 for cid in self.requests),
                 "chunks": sum(r.event == "delta" for a in self.attempts.values() for t in a.values()
                               for r in t.records),
-                "lost": len(self.lost)}
+                "lost": len(self.lost), **self.commits}
 
     @property
     def ends(self) -> dict[int, int]:
@@ -275,6 +276,7 @@ def check_commits(result: GenerationAudit, samples: list[tuple[int, dict[int, in
 
 
 def run_checks(settings: Settings, group: Group, streams: Streams, commits: CommitWatch) -> GenerationAudit:
+    """Stop the members, audit both topics, check it all; the audit's summary gets the commits checked."""
     exit_codes = group.stop_all(30)
     result = audit_generations(settings, len(streams.outcomes))
     check(not result.lost, lambda: f"no final for {result.lost[:10]}\n{group.tails()}")
@@ -282,7 +284,9 @@ def run_checks(settings: Settings, group: Group, streams: Streams, commits: Comm
     check_clients(result, streams.outcomes)
     samples = check_commits(result, commits.samples)
     assert samples > 0
-    assert final_commits(settings, result.ends) == result.ends
+    final = final_commits(settings, result.ends)
+    assert final == result.ends
+    result.commits = {"commit samples checked": samples, "committed at the end": sum(final.values())}
     assert set(exit_codes.values()) == {0}, (exit_codes, group.tails())
     return result
 
@@ -347,12 +351,21 @@ def test_rebalance_1_to_2_mid_stream_generates_revoked_requests_again_under_new_
         joined = group.wait_stable(STABLE_S)
         streams.wait_done(streams.done + AFTER_FAULT, STREAM_TIMEOUT_S, group)
         streams.finish(STREAM_TIMEOUT_S)
-        revoked = {p for event in first.events if event.kind in ("revoked", "lost") for p in event.partitions}
+        revoked = {p: event.ms for event in first.events if event.kind in ("revoked", "lost") for p in event.partitions}
         assert first.count("revoked") >= 1 and not first.count("lost")
         result = run_checks(settings, group, streams, commits)  # its SIGTERMs revoke the rest
     print(f"\nrebalance: {result.summary()}, client restarts {sum(o.restarts for o in streams.outcomes)}, "
           f"revoked from a {sorted(revoked)}, join {joined:.1f} s")
     assert result.abandoned and any(o.restarts for o in streams.outcomes)
-    # A clean hand-over: nothing is answered twice; only the revoked partitions' generations were abandoned.
-    assert all(len(result.finals(cid)) == 1 for cid in result.requests)
+    # Only the revoked partitions' generations were abandoned.
     assert all(result.requests[cid][0] in revoked for cid, _attempt in result.abandoned)
+    # A request is answered twice only when the old owner answered it before the hand-over while an earlier request
+    # of its partition was still generating (aborted then): the commit could not pass that one, so the next owner
+    # served both again. The client took the first final and dropped the second attempt (check_clients).
+    twice = [cid for cid in result.requests if len(result.finals(cid)) > 1]
+    for cid in twice:
+        partition, offset = result.requests[cid]
+        assert partition in revoked and result.finals(cid)[0].ms <= revoked[partition], (cid, result.finals(cid))
+        assert any(other_partition == partition and other_offset < offset
+                   and result.finals(other)[0].ms > revoked[partition]
+                   for other, (other_partition, other_offset) in result.requests.items()), cid
