@@ -14,12 +14,14 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 4
 # What runs again on Apache Kafka (KINFERENCE_TEST_BROKER=kafka, jars from Maven Central; needs a JDK 17+ and Maven):
 # the end-to-end service, the client, exactly-once (its SIGKILL test needs Kafka's read_committed), rebalances
-# (eager, cooperative, KIP-848), crash, shutdown and exit, share groups (KIP-932, Kafka only), and offsets with gaps
-# (transactional upstreams, compaction: Kafka only). README: Tests.
+# (eager, cooperative, KIP-848), crash, shutdown and exit, share groups (KIP-932, Kafka only), offsets with gaps
+# (transactional upstreams, compaction: Kafka only), and a generative model's SIGKILL and rebalance mid-stream (the
+# rebalance on Kafka only). README: Tests.
 KAFKA_TESTS ?= tests/integration/test_service.py tests/integration/test_client.py tests/integration/test_exactly_once.py \
 	tests/integration/test_offset_gaps.py tests/faults/test_hostile_input.py \
 	tests/faults/test_exactly_once_crash.py tests/faults/test_exactly_once_faults.py tests/faults/test_rebalance.py \
-	tests/faults/test_crash.py tests/faults/test_shutdown.py tests/faults/test_exit.py tests/faults/test_share_groups.py
+	tests/faults/test_crash.py tests/faults/test_shutdown.py tests/faults/test_exit.py tests/faults/test_share_groups.py \
+	tests/faults/test_generate_faults.py
 
 MLSERVER_SPEC ?= mlserver==1.7.1
 

@@ -26,8 +26,8 @@ Options (``--handler-options key=value``):
 - ``dtype`` (float32, float16 or bfloat16);
 - ``chat_template``: a Jinja file to use when the tokenizer has none.
 
-``seed`` is accepted and not honoured: one engine samples every sequence from one generator (OpenAI's ``seed`` is
-best effort too).
+``seed`` (``decoding=sample``): the request's tokens are drawn from noise of its seed and their positions
+(``seeding.SeededSampling``), so the same prompt, seed and settings give the same text whatever runs beside it.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ except ImportError as exc:  # an older transformers: say which one this handler 
 from kinference.handlers.base import HandlerContext
 from kinference.handlers.generative import Event, GenerativeHandler, Prompt, Sampling
 from kinference.handlers.options import one_of, positive_int, with_defaults
+from kinference.handlers.seeding import add_seeded_sampling
 from kinference.handlers.text import DTYPES, check_model_dir
 from kinference.openai import ChatRequest, read_chat_request
 from kinference.protocol import ErrorCode
@@ -163,8 +164,10 @@ class GenerateHandler(GenerativeHandler):
                 raise RequestError(f"request {request_id} is already generating", ErrorCode.INTERNAL_ERROR)
             self._running[request_id] = _Sequence(prompt)
         sampling = prompt.sampling
-        extra = {} if self.greedy else {"temperature": max(sampling.temperature, MIN_TEMPERATURE),
-                                        "top_p": sampling.top_p}
+        extra: dict[str, float | int] = {} if self.greedy else {
+            "temperature": max(sampling.temperature, MIN_TEMPERATURE), "top_p": sampling.top_p}
+        if not self.greedy and sampling.seed is not None:
+            extra["seed"] = sampling.seed
         if not self._engine.add(request_id, list(prompt.token_ids), sampling.max_tokens, extra):
             with self._lock:
                 del self._running[request_id]
@@ -312,13 +315,15 @@ class _Engine:
     def start(cls, model: Any, config: ContinuousBatchingConfig, generation: GenerationConfig) -> _Engine:
         try:
             manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
+            if config.per_request_processors:  # sampling: each request's own seed
+                add_seeded_sampling(manager)
             manager.start()
         except Exception as exc:
             raise HandlerLoadError(f"generate: transformers' continuous batching cannot serve this model: "
                                    f"{exc}") from exc
         return cls(manager)
 
-    def add(self, request_id: str, token_ids: list[int], max_tokens: int, sampling: dict[str, float]) -> bool:
+    def add(self, request_id: str, token_ids: list[int], max_tokens: int, sampling: dict[str, float | int]) -> bool:
         """False when the engine does not take requests (stopped, or its thread died)."""
         if not self._manager.is_running():
             return False

@@ -140,6 +140,56 @@ def test_sampling_honours_temperature_zero(lm_dir: Path, greedy: GenerateHandler
     assert sampled.text == run(greedy, {"b": greedy.validate(body)})["b"][-1].text
 
 
+def test_a_seed_gives_the_same_text_whatever_runs_beside_it(lm_dir: Path) -> None:
+    """OpenAI's seed under decoding=sample: the same seed and temperature > 0 give the same text, alone or among other
+    requests, while other seeds (and no seed) give other texts."""
+    handler = load_handler("generate")
+    handler.setup(HandlerContext(device="cpu", model=lm_dir, options={"max_new_tokens": 24}))
+    body = {"prompt": "a consumer group reads", "max_tokens": 24, "temperature": 1.5, "top_p": 1.0}
+
+    def texts(bodies: dict[str, dict[str, Any]]) -> dict[str, str]:
+        events = run(handler, {name: handler.validate(one) for name, one in bodies.items()})
+        return {name: events[name][-1].text for name in bodies}
+
+    try:
+        alone = texts({"alone": {**body, "seed": 7}})["alone"]
+        crowd = texts({"again": {**body, "seed": 7}, "other": {**body, "seed": 8}, "big": {**body, "seed": 2**40},
+                       **{f"unseeded{i}": body for i in range(3)}})
+    finally:
+        handler.close()
+    assert len(alone) > 20 and crowd["again"] == alone
+    assert len({alone, crowd["other"], crowd["big"], *(crowd[f"unseeded{i}"] for i in range(3))}) == 6
+
+
+def test_seeded_rows_draw_from_the_softmax_and_unseeded_rows_are_left_alone() -> None:
+    """SeededSampling leaves a seeded row one token (drawn as softmax(scores) says, over many keys) and an unseeded
+    row as it was."""
+    from kinference.handlers.seeding import NO_SEED, SeededSampling, row_key
+
+    sampler = SeededSampling()
+
+    class State:
+        def __init__(self, seed: int | None, position: int) -> None:
+            self.logit_processor_kwargs = {} if seed is None else {"seed": seed}
+            self.position_offset = position
+
+    class Request:
+        def __init__(self, seed: int | None, position: int) -> None:
+            self.state = State(seed, position)
+
+    scores = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    keys = sampler.prepare_tensor_args([Request(seed, 10) for seed in range(4000)] + [Request(None, 10)])
+    assert keys[-1].item() == NO_SEED and keys[0].item() == row_key(0, 10) != row_key(0, 11)
+    out = sampler(scores.expand(4001, 4).clone(), keys)
+    assert torch.equal(out[-1], scores)
+    drawn = out[:-1].argmax(dim=-1)
+    assert bool((out[:-1].isinf().sum(dim=-1) == 3).all())
+    frequencies = torch.bincount(drawn, minlength=4).float() / 4000
+    assert torch.allclose(frequencies, scores.exp(), atol=0.03), frequencies
+    same = sampler(scores.expand(1, 4).clone(), keys[:1])
+    assert same.argmax().item() == drawn[0].item()  # the same key, the same draw
+
+
 def test_load_errors_name_the_fix(tmp_path: Path) -> None:
     handler = load_handler("generate")
     with pytest.raises(HandlerLoadError, match="generate needs --model DIR"):
