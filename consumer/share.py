@@ -189,7 +189,8 @@ class ShareSource:
                 raise ConfigError("--group-type share needs a confluent-kafka with the share consumer (2.16 is "
                                   "tested): pip install -U confluent-kafka") from exc
             consumer_factory = ShareConsumer
-        self._consumer = consumer_factory({**config.share_consumer_config(), "error_cb": self.errors.on_client})
+        # Any: confluent-kafka's ShareConsumer or a test's fake; its AcknowledgeType is this module's (numbers alike).
+        self._consumer: Any = consumer_factory({**config.share_consumer_config(), "error_cb": self.errors.on_client})
         self._thread = threading.Thread(target=self._run, name="kinference-share-source", daemon=True)
         self._closing = threading.Event()
         self._draining = threading.Event()

@@ -195,7 +195,7 @@ class Source:
         holds until n records or t seconds, which would add t to every request at low load. So: take
         what is queued; if nothing is, wait for one record and then take what came with it."""
         limit = self._budget.records_allowed(self._config.max_poll_records)
-        records = self._consumer.consume(limit, 0)
+        records: list[Any] = self._consumer.consume(limit, 0)
         if records:
             return records
         first = self._consumer.poll(_POLL_S)

@@ -134,7 +134,8 @@ def _exporter(name: str) -> SpanExporter:
         raise ConfigError(f"OTEL_TRACES_EXPORTER: no span exporter {name!r} is installed (kinference[otel] brings "
                           "otlp over http/protobuf and console; otlp over grpc needs pip install "
                           "opentelemetry-exporter-otlp-proto-grpc)")
-    return next(iter(found)).load()()
+    exporter: SpanExporter = next(iter(found)).load()()
+    return exporter
 
 
 def _resource() -> Resource:

@@ -43,7 +43,7 @@ class Stream:
     error reply raises ``ReplyError``; no final by the deadline raises ``RequestTimeout``."""
 
     def __init__(self, records: queue.Queue[Any], deadline: float, correlation_id: str, sent_at: float,
-                 forget: Callable[[], None]) -> None:
+                 forget: Callable[[], object]) -> None:
         """``records``: the request's records as the client's reader gets them; ``forget`` stops that at a timeout."""
         self.correlation_id = correlation_id
         self._forget = forget
@@ -84,7 +84,7 @@ class Stream:
 
     def _read(self, record: Any, headers: dict[str, bytes]) -> str | None:
         if headers[EVENT] == b"delta":
-            text = orjson.loads(record.value())["choices"][0]["delta"].get("content", "")
+            text: str = orjson.loads(record.value())["choices"][0]["delta"].get("content", "")
             self._text += text
             return text
         completion = Reply.from_record(record, self._sent_at, time.monotonic()).result()
