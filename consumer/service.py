@@ -37,8 +37,8 @@ from kinference.consumer.metrics import Metrics
 from kinference.consumer.models import Models
 from kinference.consumer.publisher import Publisher, PublishSettings
 from kinference.consumer.request import Request, RequestDecoder
-from kinference.consumer.share import ShareLedger, ShareSource, set_share_group_start
-from kinference.consumer.source import Source
+from kinference.consumer.share import ShareCheckpoint, ShareLedger, ShareSource, set_share_group_start
+from kinference.consumer.source import MemberSource, Source
 from kinference.consumer.topic_metadata import ExistingTopics
 from kinference.consumer.transactions import MemberSlot, TransactionCheckpoint
 from kinference.errors import ConfigError
@@ -164,15 +164,18 @@ class Service:
                  "incremental" if config.incremental_rebalancing else "eager")
         return self
 
-    def _build(self, config: ServiceConfig) -> tuple[Publisher, Source | ShareSource]:
+    def _build(self, config: ServiceConfig) -> tuple[Publisher, MemberSource]:
         """The publisher, each model's batcher and stages, and the source with its intake (none started)."""
-        if isinstance(self.tracker, ShareLedger):
+        tracker = self.tracker
+        if isinstance(tracker, ShareLedger):
             set_share_group_start(config)  # first: a refusal (an ACL) leaves no client behind
-        checkpoint: TransactionCheckpoint | ConsumerCheckpoint
+        checkpoint: TransactionCheckpoint | ConsumerCheckpoint | ShareCheckpoint
         producer_config = config.producer_config()
-        if config.delivery == "exactly-once":
+        if isinstance(tracker, ShareLedger):  # at-least-once: exactly-once is refused for share groups
+            checkpoint = ShareCheckpoint(tracker)
+        elif config.delivery == "exactly-once":
             checkpoint = TransactionCheckpoint(
-                self.tracker,  # type: ignore[arg-type]  # exactly-once is refused for share groups
+                tracker,
                 group_metadata=lambda: self.source.group_metadata(),  # type: ignore[union-attr]  # set below
                 metrics=self.metrics,
                 commit_interval_s=config.commit_interval_ms / 1000,
@@ -180,8 +183,7 @@ class Service:
             )
             producer_config["transactional.id"] = self._transactional_id(config)
         else:
-            # A share group's ledger takes the acknowledged requests too; its source acknowledges them itself.
-            checkpoint = ConsumerCheckpoint(self.tracker, self.metrics, config.commit_interval_ms / 1000)
+            checkpoint = ConsumerCheckpoint(tracker, self.metrics, config.commit_interval_ms / 1000)
         self.publisher = publisher = Publisher(producer_config, checkpoint, PublishSettings.of(config), self.metrics,
                                                tracing=self.tracing)
         budget = ByteBudget(config.max_in_flight_bytes)
@@ -195,11 +197,11 @@ class Service:
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
                                  router=router, max_key_bytes=config.max_key_bytes,
                                  reply_topic_exists=self._existing_topics(config))
-        intake = Intake(decoder, self.tracker, self.models, self.tracing, budget)
-        if isinstance(self.tracker, ShareLedger):  # a share group has no offsets: no lag to measure
-            self.source = ShareSource(config, intake, self.metrics)
+        if isinstance(tracker, ShareLedger):  # a share group has no offsets: no lag to measure
+            self.source = ShareSource(config, Intake(decoder, tracker, self.models, self.tracing, budget), self.metrics)
             return publisher, self.source
-        self.source = source = Source(config, intake, checkpoint, self.metrics)
+        self.source = source = Source(config, Intake(decoder, tracker, self.models, self.tracing, budget), checkpoint,
+                                      self.metrics)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: source.rebalance.partitions, self.metrics,
                               config.lag_interval_s)
