@@ -155,7 +155,8 @@ class GenerateHandler(GenerativeHandler):
             return ids
         if self._template is None:
             raise InvalidInput('this model has no chat template: send {"prompt": "..."} instead of "messages"')
-        ids = self.tokenizer.apply_chat_template(list(request.messages), chat_template=self._template,  # type: ignore[arg-type]
+        # read_chat_request gives a request its prompt or its messages: here, its messages.
+        ids = self.tokenizer.apply_chat_template(list(request.messages or ()), chat_template=self._template,
                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
         return ids
 

@@ -311,12 +311,11 @@ class Client:
             log.log(logging.DEBUG if unused_group else logging.WARNING, "reply consumer: %s", record.error())
             return
         correlation_id = _correlation_id(record)
-        records = self._streams.get(correlation_id) if correlation_id else None
-        if records is not None:
+        if correlation_id and (records := self._streams.get(correlation_id)) is not None:
             records.put(record)
             if _is_chunk(record):
                 return  # the final, or an error reply, ends the request
-            self._streams.pop(correlation_id, None)  # type: ignore[arg-type]
+            self._streams.pop(correlation_id, None)
         entry = self._pending.take(correlation_id) if correlation_id else None
         if entry is not None:
             settle(entry.future, Reply.from_record(record, entry.sent_at, received_at))
