@@ -12,7 +12,7 @@ from kinference.consumer.config import ServiceConfig, load_config
 from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import RequestDecoder
-from kinference.consumer.share import AcknowledgeType, ShareLedger, ShareSource
+from kinference.consumer.share import AcknowledgeType, ShareCheckpoint, ShareLedger, ShareSource
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import ErrorCode
 from tests.fakes import FakeModels, FakeRecord
@@ -28,6 +28,19 @@ def requests_of(ledger: ShareLedger, count: int) -> list:
     intake = Intake(RequestDecoder("replies", 1000), ledger, models)
     intake.take([Record(b'{"n": %d}' % i, offset=i) for i in range(count)], on_error=lambda _: None)
     return models.routed
+
+
+def test_the_share_checkpoint_settles_what_the_broker_acknowledged_and_holds_nothing_back():
+    """The publisher's side of a share group: answers go out at once (nothing held for a transaction), and once
+    acknowledged their records are settled in the ledger, for the source to acknowledge."""
+    ledger = ShareLedger()
+    checkpoint = ShareCheckpoint(ledger)
+    ok, failed = requests_of(ledger, 2)
+    failed.fail(RequestError("no", ErrorCode.HANDLER_ERROR))
+    assert checkpoint.take([ok, failed]) == [ok, failed] and checkpoint.in_flight == 2
+    checkpoint.acknowledged([ok, failed])
+    assert checkpoint.in_flight == 0
+    assert ledger.take() == [("requests", 0, 0, AcknowledgeType.ACCEPT), ("requests", 0, 1, AcknowledgeType.REJECT)]
 
 
 def test_answered_records_are_accepted_failed_ones_rejected_and_abandoned_ones_released():
