@@ -81,8 +81,7 @@ lint: $(STAMP)
 # the top of the repository are kinference.consumer, kinference.handlers... (pyproject's package-dir).
 typecheck: $(STAMP)
 	rm -rf .typecheck && mkdir -p .typecheck/kinference
-	for f in kinference/*.py; do ln -s ../../$$f .typecheck/kinference/; done
-	for d in consumer handlers loadgen; do ln -s ../../$$d .typecheck/kinference/$$d; done
+	for f in kinference/*.py consumer handlers loadgen; do ln -s ../../$$f .typecheck/kinference/; done
 	cd .typecheck && ../$(BIN)/python -m mypy --config-file ../pyproject.toml -p kinference.consumer -p kinference.handlers
 
 clean:

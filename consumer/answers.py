@@ -243,14 +243,16 @@ def reply_headers(request: Request, now: float) -> Headers:
 
 
 def reply_value(request: Request) -> bytes:
-    if request.reply_value is None and request.error is None:
+    error = request.error
+    if error is None:
+        if request.reply_value is not None:
+            return request.reply_value
         # postprocess sets reply_value on every ok request; if that ever fails, the caller still gets an answer.
-        request.fail(RequestError("the request finished without a result", ErrorCode.INTERNAL_ERROR))
-    if request.error is not None:
-        if request.reply_format is not None:
-            return request.reply_format.error(request.error.code, request.error.message[:MAX_ERROR_MESSAGE])
-        return encode_error(request.error.code, request.error.message)
-    return request.reply_value  # type: ignore[return-value]
+        error = RequestError("the request finished without a result", ErrorCode.INTERNAL_ERROR)
+        request.fail(error)
+    if request.reply_format is not None:
+        return request.reply_format.error(error.code, error.message[:MAX_ERROR_MESSAGE])
+    return encode_error(error.code, error.message)
 
 
 def dead_letter_headers(request: Request, error: RequestError, original: bool = True) -> Headers:

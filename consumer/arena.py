@@ -93,11 +93,11 @@ class _Writer(pickle.Pickler):
             target.copy_(source.reshape(-1))
             return ("tensor", offset, str(source.dtype).removeprefix("torch."), tuple(source.shape))
         if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc" and obj.size:
-            source = np.ascontiguousarray(obj)
-            offset = self._take(source.nbytes)
-            target = np.frombuffer(self._arena, dtype=source.dtype, count=source.size, offset=offset)
-            target[:] = source.reshape(-1)
-            return ("array", offset, source.dtype.str, source.shape)
+            array = np.ascontiguousarray(obj)
+            offset = self._take(array.nbytes)
+            view = np.frombuffer(self._arena, dtype=array.dtype, count=array.size, offset=offset)
+            view[:] = array.reshape(-1)
+            return ("array", offset, array.dtype.str, array.shape)
         return None  # pickled as it is (an empty tensor too: nothing to share)
 
     def _take(self, nbytes: int) -> int:

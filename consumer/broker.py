@@ -83,7 +83,8 @@ def broker_binary() -> str:
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 class EmbeddedBroker:
@@ -132,7 +133,7 @@ class EmbeddedBroker:
         try:
             self._process = subprocess.Popen(command, env=env, stdout=output, stderr=output)
         finally:
-            if self.log_file:
+            if not isinstance(output, int):  # a file of its own, not DEVNULL
                 output.close()
         try:
             self._wait_ready()

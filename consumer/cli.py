@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        return args.run(args)
+        code: int = args.run(args)
+        return code
     except KinferenceError as exc:
         print(f"kinference: {exc}", file=sys.stderr)
         return 2
@@ -290,7 +291,7 @@ def _run_workers(args: argparse.Namespace, config: ServiceConfig, plan: Plan) ->
             signal.signal(signum, lambda received, _frame: supervisor.stop(received))
         if config.metrics:
             registry = CollectorRegistry(auto_describe=False)
-            registry.register(supervisor)  # type: ignore[arg-type]  # a collector: it has collect()
+            registry.register(supervisor)
             endpoints = Endpoints(EndpointSettings.of(config), registry, supervisor.health_checks,
                                   supervisor.readiness_checks, supervisor.problems).start()
             stack.callback(endpoints.close)
@@ -319,9 +320,9 @@ def run_topics(args: argparse.Namespace) -> int:
         return 1
     partitions = config.topic_partitions()
     created = create_topics(config.bootstrap_servers, partitions, replication_factor=config.replication_factor,
-                            topic_config=config.topic_config, **config.admin_config())
+                            topic_config=config.topic_config, admin_config=config.admin_config())
     existing = {topic: count for topic, count in partitions.items() if topic not in created}
-    differ = differences(config.bootstrap_servers, existing, config.topic_config, **config.admin_config()) \
+    differ = differences(config.bootstrap_servers, existing, config.topic_config, admin_config=config.admin_config()) \
         if existing else {}
     for topic, count in partitions.items():
         if topic in created:

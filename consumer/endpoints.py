@@ -59,7 +59,7 @@ class Endpoints:
         """``problems``: why each failing check fails, in words, added to a failing answer's body (the supervisor of
         several workers says which worker, and why)."""
         explain = problems or dict
-        routes = {
+        routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
             "/healthz": lambda: _check(health(), explain),
             "/readyz": lambda: _check(readiness(), explain),
@@ -98,7 +98,8 @@ class Endpoints:
 
     @property
     def port(self) -> int:
-        return self._listener.getsockname()[1]
+        port: int = self._listener.getsockname()[1]
+        return port
 
     @property
     def open_connections(self) -> int:
@@ -164,7 +165,7 @@ class Endpoints:
 
     def _answer(self, connection: socket.socket) -> None:
         try:
-            self._handler(connection, connection.getpeername(), self)
+            self._handler(connection, connection.getpeername(), self)  # type: ignore[arg-type]  # kept, never read
         except OSError:  # the peer went away, or a read or write timed out
             pass
         except Exception:

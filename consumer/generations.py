@@ -31,7 +31,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -164,9 +164,9 @@ class Generations:
             for request in cancelled:
                 self._waiting.remove(request)
         for request in cancelled:
-            generation = _Generation(request, request.item, uuid.uuid4().hex[:16], self._ids())
+            generation = _Generation(request, _prompt(request), uuid.uuid4().hex[:16], self._ids())
             self._answer([self._finish(generation, Event("", "cancelled",
-                                                         prompt_tokens=len(request.item.token_ids)))])
+                                                         prompt_tokens=len(generation.prompt.token_ids)))])
 
     def _ids(self) -> tuple[str, str, int]:
         return f"chatcmpl-{uuid.uuid4().hex[:16]}", self.name, int(time.time())
@@ -199,9 +199,10 @@ class Generations:
     def _submit(self, request: Request, key: PartitionKey) -> None:
         attempt = uuid.uuid4().hex[:16]
         request_id = f"{request.correlation_id}#{attempt}"
-        generation = _Generation(request, request.item, attempt, (f"chatcmpl-{attempt}", self.name, int(time.time())))
+        generation = _Generation(request, _prompt(request), attempt, (f"chatcmpl-{attempt}", self.name,
+                                                                      int(time.time())))
         try:
-            self._handler.submit(request_id, request.item)
+            self._handler.submit(request_id, generation.prompt)
         except Exception as exc:  # an engine that refuses one request fails that request alone
             request.fail(exc if isinstance(exc, RequestError) else
                          RequestError(f"the engine refused the request: {exc!r}", ErrorCode.HANDLER_ERROR))
@@ -333,3 +334,9 @@ def _stream_headers(generation: _Generation, kind: str) -> Headers:
     headers: Headers = [(CORRELATION_ID, generation.request.correlation_id.encode())] if kind == "delta" else []
     return [*headers, (EVENT, kind.encode()), (SEQUENCE, str(generation.sequence).encode()),
             (ATTEMPT, generation.attempt.encode())]
+
+
+def _prompt(request: Request) -> Prompt:
+    """The request's prompt: what its handler's ``validate`` made of it. Only admitted requests reach the engine,
+    so it is set (``Request.item`` is None before admission)."""
+    return cast(Prompt, request.item)

@@ -35,7 +35,7 @@ class LagMonitor:
         metrics: Metrics,
         interval_s: float,
     ) -> None:
-        self._admin: AdminClient | None = AdminClient(admin_config)
+        self._admin: AdminClient | None = AdminClient({**admin_config})
         self._group_id = group_id
         self._partitions = partitions
         self._gauge = metrics.consumer_lag
@@ -67,13 +67,14 @@ class LagMonitor:
             with contextlib.suppress(KeyError):  # a partition never measured has no series
                 self._gauge.remove(topic, str(partition))
         self._shown &= keys
-        if not keys:
+        admin = self._admin
+        if not keys or admin is None:  # None: stopped
             return
         tps = [TopicPartition(topic, partition) for topic, partition in sorted(keys)]
-        ends = self._offsets(tps, OffsetSpec.latest())
-        starts = self._offsets(tps, OffsetSpec.earliest())
+        ends = self._offsets(admin, tps, OffsetSpec.latest())
+        starts = self._offsets(admin, tps, OffsetSpec.earliest())
         request = [ConsumerGroupTopicPartitions(self._group_id, tps)]
-        future = self._admin.list_consumer_group_offsets(request, request_timeout=self._timeout_s)[self._group_id]
+        future = admin.list_consumer_group_offsets(request, request_timeout=self._timeout_s)[self._group_id]
         committed = {(tp.topic, tp.partition): tp.offset for tp in future.result(self._timeout_s).topic_partitions
                      if tp.error is None}
         for key in keys & set(ends):
@@ -83,6 +84,6 @@ class LagMonitor:
             self._gauge.labels(key[0], str(key[1])).set(max(0, ends[key] - position))
             self._shown.add(key)
 
-    def _offsets(self, tps: list[TopicPartition], spec: OffsetSpec) -> dict[PartitionKey, int]:
-        futures = self._admin.list_offsets({tp: spec for tp in tps}, request_timeout=self._timeout_s)
+    def _offsets(self, admin: AdminClient, tps: list[TopicPartition], spec: OffsetSpec) -> dict[PartitionKey, int]:
+        futures = admin.list_offsets({tp: spec for tp in tps}, request_timeout=self._timeout_s)
         return {(tp.topic, tp.partition): future.result(self._timeout_s).offset for tp, future in futures.items()}

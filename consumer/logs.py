@@ -43,8 +43,9 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        if hasattr(record, "topic"):
-            line += f" [{record.topic}/{record.partition}/{record.offset} correlation {record.correlation_id}]"
+        about = record.__dict__  # a request's coordinates ride in ``extra`` (``about``): attributes of this record only
+        if "topic" in about:
+            line += f" [{about['topic']}/{about['partition']}/{about['offset']} correlation {about['correlation_id']}]"
         return line
 
 

@@ -179,7 +179,7 @@ class Models:
             return
         by_model: dict[str, list[Request]] = {}
         for request in requests:
-            by_model.setdefault(request.model.name, []).append(request)  # type: ignore[union-attr]  # routed: ok
+            by_model.setdefault(_routed(request).name, []).append(request)
         for name, some in by_model.items():
             admit(self._by_name[name].handler, some)
 
@@ -187,7 +187,7 @@ class Models:
         """To its model's batcher, without waking its stages (``wake``); or, failed or refused, straight to its
         answer."""
         if request.ok:
-            model = self._by_name[request.model.name]  # type: ignore[union-attr]  # an ok request is routed
+            model = self._by_name[_routed(request).name]
             refusal = model.saturation()
             if refusal is None:
                 if isinstance(model.batcher, Batcher):
@@ -206,7 +206,9 @@ class Models:
 
     def answer_now(self, request: Request) -> None:
         """A request that will not be computed (bad record, expired deadline, refused) goes straight to its reply."""
-        self._answer([request])  # type: ignore[misc]  # set by build, before any request arrives
+        if self._answer is None:
+            raise RuntimeError("a request came before Models.build: nothing to answer it through")
+        self._answer([request])
 
     def cancel(self, correlation_id: str) -> None:
         """A cancel from the control topic (``control``), to every generative model: the one holding it stops it."""
@@ -243,6 +245,14 @@ class Models:
                             "return); its handler.close() is skipped", model.name)
             else:
                 model.handler.close()
+
+
+def _routed(request: Request) -> ModelRoute:
+    """An ok request's model: the decoder's router picked it (a record that no model serves has an error)."""
+    route = request.model
+    if route is None:
+        raise RuntimeError(f"request {request.correlation_id} is ok but no model was picked for it")
+    return route
 
 
 def served_name(settings: ServiceConfig, handler: Handler) -> str:

@@ -170,7 +170,8 @@ def _input(item: Any, request_bytes: int) -> tuple[str, Any, bytes | None]:
     cost seconds of big-integer products in the poll thread. What is left is linear in the request's bytes."""
     if not isinstance(item, dict):
         raise RequestError("each OIP input is an object", ErrorCode.BAD_REQUEST)
-    name, shape, datatype, data = item.get("name"), item.get("shape"), item.get("datatype"), item.get("data")
+    name, shape, datatype = item.get("name"), item.get("shape"), item.get("datatype")
+    data: Any = item.get("data")
     if not isinstance(name, str) or not name:
         raise RequestError('each OIP input needs a "name"', ErrorCode.BAD_REQUEST)
     where = f"input {name[:100]!r}"

@@ -45,8 +45,17 @@ _BINARY_DECODED = 40
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One consumed record and, once known, its outcome. It travels through every stage."""
+    """One consumed record and, once known, its outcome. It travels through every stage, on three threads in turn:
+    the poll thread (decoder, intake, admission, routing), the stage threads (batcher, stages, or a generative
+    model's engine), then the publisher's. A bounded queue hands it from one to the next, so one thread at a time
+    writes it.
 
+    Its fields are grouped by who writes them, in the order the request meets them: the record as decoded, then
+    what each step adds. Nothing but its owner writes a field. A field that a later step sets is None (or 0)
+    until then, and its type says so. ``error`` is the one field several steps write: through ``fail``, which
+    keeps the first cause (only the decoder sets it outright: a record it cannot read fails for that reason)."""
+
+    # --- The record, as the decoder (``RequestDecoder.decode``, poll thread) read it: fixed once decoded.
     topic: str
     partition: int
     offset: int
@@ -60,38 +69,64 @@ class Request:
     reply_topic: str
     timestamp_ms: float | None = None
     """The record's Kafka timestamp (create or log-append time), epoch ms; None if the record has none."""
-    reply_partition: int | None = None
+    key_omitted: int | None = None
+    """The size of the record's key when it was larger than ``max_key_bytes``: left out of the answers, which say so."""
     spring_correlation_id: bytes | None = None
     deadline_ms: int | None = None
-    payload: Any = None
-    """The parsed record value (JSON, or the raw bytes for ``bytes`` handlers)."""
-    item: Any = None
-    """What the handler's ``validate`` made of the payload; ``preprocess`` gets these."""
-    tokens: int | None = None
-    """The handler's ``cost`` of the item (its tokens); None when the handler does not count tokens."""
-    error: RequestError | None = None
-    dead_letter: bool = False
-    """True when the record could not be read as a request: it also goes to the dead-letter topic."""
+    reply_partition: int | None = None
+    """As the headers ask. The publisher's thread alone changes it later: dropped when the reply topic has no such
+    partition (``answers.ReplyPartitions``), or pinned for a keyless stream's chunks (``publisher``)."""
     unroutable: bool = False
     """True when the record's headers could not be read at all, so nobody knows where its caller waits for a
     reply: only its dead letter answers it."""
-    reply_value: bytes | None = None
-    dispatched: float | None = None
-    batch_size: int = 0
-    inference_ms: float = 0.0
-    key_omitted: int | None = None
-    """The size of the record's key when it was larger than ``max_key_bytes``: left out of the answers, which say so."""
-    ledger: Any = field(default=None, repr=False)
-    """The commit ledger of the partition this record came from (``commit.PartitionLedger``)."""
+    dead_letter: bool = False
+    """True when the record could not be read as a request: it also goes to the dead-letter topic. The stages set
+    it too, for a request the handler timed out on, or whose generation failed."""
+    model: ModelRoute | None = None
+    """The model that serves it (``consumer.router``); None without a router (one unnamed model), and for a
+    record no model serves (it has an error)."""
     reply_format: ReplyFormat | None = None
     """How the reply value is written when it is not kinference's JSON: an Open Inference Protocol
-    ``InferenceResponse`` (``consumer.oip.OipCall``), or a Schema Registry record (``consumer.serdes.SchemaReply``)."""
-    trace: Trace | None = None
-    """The request's span (``consumer.tracing.RequestTrace``); None when tracing is off."""
-    model: ModelRoute | None = None
-    """The model that serves it (``consumer.router``); None until routed, and for a record no model serves."""
+    ``InferenceResponse`` (``consumer.oip.OipCall``), or a Schema Registry record (``consumer.serdes.SchemaReply``).
+    A generative model's engine replaces it for a stream's final answer."""
+    payload: Any | None = None
+    """The parsed record value (JSON, the raw bytes for ``bytes`` handlers, a ``Record``); None when it could not be
+    decoded. ``budget.ByteBudget.release`` drops it (None again) once the stages are done with it."""
     held_bytes: int = 0
-    """About the memory its value holds, raw and decoded (``budget.ByteBudget`` counts it while in flight)."""
+    """About the memory its value holds, raw and decoded; ``budget.ByteBudget`` counts it while in flight and sets
+    it to 0 when it releases the request."""
+
+    # --- Added by the intake and admission (poll thread).
+    ledger: Any = field(default=None, repr=False)
+    """Where the tracker follows the record (``intake``): the partition's ``commit.PartitionLedger``, or a share
+    group's ``share.ShareRecord``. Set on every request right after it is decoded (a record is decoded only once
+    tracked), so Any rather than Optional: the delivery modes read it as their own ledger type."""
+    trace: Trace | None = None
+    """The request's span (``consumer.tracing.RequestTrace``, set by ``Tracing.received``); None when tracing is
+    off."""
+    item: Any | None = None
+    """What the handler's ``validate`` made of the payload (``admission``); ``preprocess`` gets these. None until
+    admitted, and for a request that failed before; released with ``payload``."""
+    tokens: int | None = None
+    """The handler's ``cost`` of the item (its tokens, ``admission``); None when the handler does not count them."""
+
+    # --- Added by the batcher, when it dispatches the request's batch (a stage thread).
+    dispatched: float | None = None
+    """``time.monotonic()`` at dispatch; None until dispatched (a generative model's engine sets it when it
+    admits the request)."""
+    batch_size: int = 0
+    """Requests in its batch; 0 until dispatched."""
+
+    # --- Added by the stage that computed it (``stages``, or a generative model's ``generations``).
+    reply_value: bytes | None = None
+    """The reply's value, written by postprocess; None until then, and for a failed request (``answers`` writes
+    its error reply instead)."""
+    inference_ms: float = 0.0
+    """How long its micro-batch's inference took; 0 until computed."""
+
+    # --- Its outcome: any step, each through ``fail``.
+    error: RequestError | None = None
+    """The first error (``fail``); None while the request is ok."""
 
     @property
     def ok(self) -> bool:
@@ -167,7 +202,7 @@ class RequestDecoder:
                                    f"{self.max_key_bytes} (the answers go without it)", ErrorCode.PAYLOAD_TOO_LARGE)
             payload_format, model = self.payload_format, self.model
             if self.router is not None:
-                request.model = route = self._route(request)
+                request.model = route = self._route(request, self.router)
                 payload_format, model = route.payload_format, route.served
             if model is not None and model.speaks_oip(request.headers):
                 self._check_size(request.value)
@@ -203,11 +238,11 @@ class RequestDecoder:
             return _BINARY_DECODED * len(value)
         return jsonscan.decoded_bytes(value)
 
-    def _route(self, request: Request) -> ModelRoute:
+    def _route(self, request: Request, router: Router) -> ModelRoute:
         try:
-            return self.router.route(request.topic, request.headers)  # type: ignore[union-attr]
+            return router.route(request.topic, request.headers)
         except RequestError:
-            served = self.router.default.served  # type: ignore[union-attr]
+            served = router.default.served
             if served is not None and served.speaks_oip(request.headers):
                 # An OIP caller naming a model not served here gets OIP's error body, as MLServer answers it.
                 request.reply_format = oip.OipCall(oip.request_id(request.key, {}, request.correlation_id), served,

@@ -37,7 +37,7 @@ class ModelRoute:
     """The headers naming this model on each of its replies: built once, here, not per reply."""
 
     def __post_init__(self) -> None:
-        headers = ((MODEL, self.name.encode()),)
+        headers: tuple[tuple[str, bytes], ...] = ((MODEL, self.name.encode()),)
         if self.version is not None:
             headers += ((MODEL_VERSION, self.version.encode()),)
         object.__setattr__(self, "reply_headers", headers)  # a frozen dataclass sets its derived fields so
@@ -58,6 +58,7 @@ class Router:
         """The record's model; ``RequestError`` (``model_not_found``, or ``bad_request`` for a header that is not
         UTF-8) when its headers name one this process does not serve."""
         name, version = oip.named_model(headers)
+        route: ModelRoute | None
         if name is None:
             route = self._by_topic.get(topic, self.default)
         else:

@@ -24,7 +24,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import orjson
@@ -52,10 +52,13 @@ from kinference.consumer.types import Headers
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import ErrorCode, PayloadFormat, encode_error
 
+if TYPE_CHECKING:  # a type of confluent-kafka's stubs only (a private module, not in its oldest supported release)
+    from confluent_kafka._types import HeadersType
+
 try:  # the HTTP client of confluent-kafka's registry client: httpx2 from 2.16, httpx before
     from httpx2 import HTTPError
 except ImportError:
-    from httpx import HTTPError
+    from httpx import HTTPError  # type: ignore[no-redef]  # the same class, from the older package
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +126,8 @@ def _protobuf_reply() -> type:
                     type_name=".kinference.Reply.Error")
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(REPLY_NAME))
+    reply_class: type = message_factory.GetMessageClass(pool.FindMessageTypeByName(REPLY_NAME))
+    return reply_class
 
 
 ProtobufReply = _protobuf_reply()
@@ -228,7 +232,7 @@ class SchemaRegistryFormat:
         """The handler's payload of a request value: the decoded record as a dict. Poll thread only."""
         if not value:
             raise RequestError(f"request value is empty; expected a {self.name} record", ErrorCode.BAD_REQUEST)
-        context = SerializationContext(topic, MessageField.VALUE, headers)
+        context = SerializationContext(topic, MessageField.VALUE, _context_headers(headers))
         try:
             with jsonscan.collector_paused():  # a wide record makes as many lists or dicts as a wide JSON value
                 record = self._reader(value, context)
@@ -257,10 +261,10 @@ class SchemaRegistryFormat:
         record = reply_record(result, error, embedding=self.value_format != "jsonschema")
         if self.value_format == "protobuf":
             record = ProtobufReply(**record)
-        return self._serializer()(record, SerializationContext(topic, MessageField.VALUE, headers))
+        return self._serializer()(record, SerializationContext(topic, MessageField.VALUE, _context_headers(headers)))
 
     def _serializer(self) -> Callable[[Any, SerializationContext], bytes]:
-        writer = getattr(self._writers, "serializer", None)
+        writer: Callable[[Any, SerializationContext], bytes] | None = getattr(self._writers, "serializer", None)
         if writer is None:
             if self.value_format == "avro":
                 writer = AvroSerializer(self.client, AVRO_REPLY, conf=self._write_conf)
@@ -280,8 +284,10 @@ class SchemaRegistryFormat:
         # Not validated against the writer's schema again: its producer's serializer did, and jsonschema takes a
         # Python step per element (a 957 KB array of empty arrays: 3 s of the poll thread). Parsed and bounded in
         # depth as kinference's JSON is, the garbage collector waiting.
-        return JSONDeserializer(None, schema_registry_client=self.client, conf={**self._read_conf, "validate": False},
-                                json_decode=jsonscan.loads_within_depth)
+        reader: Callable[[bytes, SerializationContext], Any] = JSONDeserializer(
+            None, schema_registry_client=self.client, conf={**self._read_conf, "validate": False},
+            json_decode=jsonscan.loads_within_depth)
+        return reader
 
 
 class BoundedAvroDeserializer(AvroDeserializer):
@@ -299,6 +305,12 @@ class BoundedAvroDeserializer(AvroDeserializer):
         if bounded is None:
             bounded = self._bounded[schema] = schemabounds.bounded_avro_schema(super()._get_parsed_schema(schema))
         return bounded
+
+
+def _context_headers(headers: Headers) -> HeadersType:
+    """``headers`` as a serializer's context takes them. Its type also allows str values and so, a list being
+    invariant, does not take ``Headers``; the serializers only read them and add a schema id header (bytes)."""
+    return cast("HeadersType", headers)
 
 
 class ProtobufRecords:

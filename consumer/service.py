@@ -40,7 +40,7 @@ from kinference.consumer.models import Models
 from kinference.consumer.publisher import Publisher, PublishSettings
 from kinference.consumer.request import RequestDecoder
 from kinference.consumer.share import ShareLedger, ShareSource, set_share_group_start
-from kinference.consumer.source import Source
+from kinference.consumer.source import MemberSource, Source
 from kinference.consumer.topic_metadata import ExistingTopics
 from kinference.errors import ConfigError
 from kinference.handlers import Handler
@@ -165,7 +165,7 @@ class Service:
                  "incremental" if config.incremental_rebalancing else "eager")
         return self
 
-    def _build(self, config: ServiceConfig) -> tuple[Publisher, Source | ShareSource]:
+    def _build(self, config: ServiceConfig) -> tuple[Publisher, MemberSource]:
         """The publisher, each model's batcher and stages, and the source with its intake (none started), wired in
         the order a request goes through them."""
         tracker = self.tracker

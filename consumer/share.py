@@ -42,7 +42,7 @@ from kinference.consumer.config import ServiceConfig
 from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
-from kinference.consumer.source import ConsumerErrors, poll_until_closed
+from kinference.consumer.source import ConsumerErrors, PollLoop
 from kinference.consumer.types import PartitionKey
 from kinference.errors import BrokerError, ConfigError
 
@@ -168,7 +168,7 @@ def set_share_group_start(config: ServiceConfig, timeout_s: float = 30.0) -> Non
 class ShareSource:
     """The poll thread of a share group member: fetch, take in (``intake``), then acknowledge each record of the
     fetch as it is answered; the next fetch comes once all of them are (the share consumer refuses it before).
-    The same lifecycle as ``source.Source``: ``start``, ``drain``, ``close``."""
+    A ``source.MemberSource`` like ``source.Source``, whose poll thread's lifecycle it shares (``source.PollLoop``)."""
 
     def __init__(
         self,
@@ -189,32 +189,29 @@ class ShareSource:
                 raise ConfigError("--group-type share needs a confluent-kafka with the share consumer (2.16 is "
                                   "tested): pip install -U confluent-kafka") from exc
             consumer_factory = ShareConsumer
-        self._consumer = consumer_factory({**config.share_consumer_config(), "error_cb": self.errors.on_client})
-        self._thread = threading.Thread(target=self._run, name="kinference-share-source", daemon=True)
-        self._closing = threading.Event()
+        # Any: confluent-kafka's ShareConsumer or a test's fake; its AcknowledgeType is this module's (numbers alike).
+        self._consumer: Any = consumer_factory({**config.share_consumer_config(), "error_cb": self.errors.on_client})
+        self._loop = PollLoop("kinference-share-source", self.errors, self._poll_once, self._close_consumer)
         self._draining = threading.Event()
-        self._paused_for_good = threading.Event()
         self.joined = threading.Event()
         """Set once the first fetch came back: the member is in the share group."""
 
     def start(self) -> None:
         self._consumer.subscribe(list(self._config.request_topics))
-        self._thread.start()
+        self._loop.start()
 
     def drain(self, timeout_s: float) -> None:
         """Stop fetching; the records of the last fetch are still answered and acknowledged."""
         self._draining.set()
-        if self._thread.is_alive() and not self._paused_for_good.wait(timeout_s):
-            log.warning("shutdown: the poll thread did not pause within %.1f s", timeout_s)
+        self._loop.wait_paused(timeout_s)
 
     def close(self, deadline: float) -> None:
         """Acknowledge what is answered, release what is not (another member gets it at once), leave the group."""
-        self._closing.set()
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._loop.close(deadline)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.errors.fatal is None
+        return self._loop.alive
 
     @property
     def paused(self) -> bool:
@@ -222,21 +219,15 @@ class ShareSource:
 
     # --- the poll thread
 
-    def _run(self) -> None:
-        try:
-            poll_until_closed(self._poll_once, self._closing, self.errors)
-        finally:
-            self._close_consumer()
-
     def _poll_once(self) -> None:
         self._acknowledge(self._ledger.take())
         if self._draining.is_set():
-            self._paused_for_good.set()  # no fetch after this one: what is in flight is answered and acknowledged
+            self._loop.paused_for_good.set()  # no fetch after this one: what is in flight is answered and acknowledged
         if self._ledger.in_flight:
             self._ledger.wait_settled(_POLL_S)
             return
         if self._draining.is_set():
-            self._closing.wait(_POLL_S)
+            self._loop.closing.wait(_POLL_S)
             return
         records = list(self._consumer.poll(_POLL_S))  # also sends the acknowledgements made since the last one
         self.joined.set()

@@ -17,7 +17,8 @@ Rebalances run inside ``consume()`` (``rebalance``). Because this thread never r
 can never make the consumer miss ``max.poll.interval.ms``. A fatal consumer error (for example
 ``FENCED_INSTANCE_ID`` with static membership) ends the loop: ``fatal`` is set and the service exits non-zero.
 
-A share group (``group_type=share``) has a source of its own: ``share.ShareSource``.
+A share group (``group_type=share``) has a source of its own: ``share.ShareSource``. The service sees either
+through one protocol (``MemberSource``), and both run their poll thread with one lifecycle (``PollLoop``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -98,6 +99,70 @@ def poll_until_closed(poll_once: Callable[[], None], closing: threading.Event, e
             time.sleep(_ERROR_BACKOFF_S)
 
 
+class MemberSource(Protocol):
+    """A group member's source as the service sees it, either kind: this module's ``Source`` (a consumer group) or
+    ``share.ShareSource`` (a share group). Started last, drained first at shutdown, closed by a deadline."""
+
+    errors: ConsumerErrors
+
+    @property
+    def joined(self) -> threading.Event:
+        """Set once the member is in its group."""
+
+    @property
+    def alive(self) -> bool:
+        """The poll thread runs and no fatal consumer error came."""
+
+    @property
+    def paused(self) -> bool:
+        """No new records are taken (flow control, or draining)."""
+
+    def start(self) -> None: ...
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop taking new records; return once the poll thread paused for good (within ``timeout_s``)."""
+
+    def close(self, deadline: float) -> None:
+        """Make what is answered durable, leave the group and close the consumer, by ``deadline`` (monotonic)."""
+
+
+class PollLoop:
+    """The poll thread's lifecycle, the same for both sources: turn ``poll_once`` until ``close`` or a fatal
+    error, then ``finish`` (make what is answered durable, close the consumer) on the same thread, which alone
+    calls the consumer. The source sets ``paused_for_good`` when its loop takes no new record any more; ``drain``
+    waits for that."""
+
+    def __init__(self, name: str, errors: ConsumerErrors, poll_once: Callable[[], None],
+                 finish: Callable[[], None]) -> None:
+        self.errors = errors
+        self.closing = threading.Event()
+        self.paused_for_good = threading.Event()
+        self._poll_once = poll_once
+        self._finish = finish
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_paused(self, timeout_s: float) -> None:
+        if self._thread.is_alive() and not self.paused_for_good.wait(timeout_s):
+            log.warning("shutdown: the poll thread did not pause within %.1f s", timeout_s)
+
+    def close(self, deadline: float) -> None:
+        self.closing.set()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.errors.fatal is None
+
+    def _run(self) -> None:
+        try:
+            poll_until_closed(self._poll_once, self.closing, self.errors)
+        finally:
+            self._finish()
+
+
 class Source:
     def __init__(
         self,
@@ -122,33 +187,29 @@ class Source:
         if isinstance(commits, OffsetCommits):  # exactly-once commits no offsets through the consumer
             callbacks["on_commit"] = commits.on_commit
         self._consumer = consumer_factory({**config.consumer_config(), **callbacks})
-        self._thread = threading.Thread(target=self._run, name="kinference-source", daemon=True)
-        self._closing = threading.Event()
-        self._paused_for_good = threading.Event()
+        self._loop = PollLoop("kinference-source", self.errors, self._poll_once, self._close_consumer)
 
     def start(self) -> None:
         self._consumer.subscribe(list(self._config.request_topics), on_assign=self._on_assign,
                                  on_revoke=self.rebalance.on_revoke, on_lost=self.rebalance.on_lost)
-        self._thread.start()
+        self._loop.start()
 
     def drain(self, timeout_s: float) -> None:
         """Stop taking new records (partitions pause) but keep the group membership and commits. Returns once the
         poll thread has paused, so that every record it took is tracked (in flight) by then."""
         self._flow.draining = True
-        if self._thread.is_alive() and not self._paused_for_good.wait(timeout_s):
-            log.warning("shutdown: the poll thread did not pause within %.1f s", timeout_s)
+        self._loop.wait_paused(timeout_s)
 
     def close(self, deadline: float) -> None:
         """Commit what is answered, leave the group and close the consumer, by ``deadline`` (monotonic). By then
         the stages and the publisher have stopped: nothing more can be answered, so the revoke that leaving the
         group runs commits at once instead of waiting for in-flight requests."""
         self.rebalance.drain_until = time.monotonic()
-        self._closing.set()
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._loop.close(deadline)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.errors.fatal is None
+        return self._loop.alive
 
     @property
     def paused(self) -> bool:
@@ -161,21 +222,18 @@ class Source:
 
     # --- the poll thread
 
-    def _run(self) -> None:
-        try:
-            poll_until_closed(self._poll_once, self._closing, self.errors)
-        finally:
-            if self.errors.fatal is None:
-                self._commits.commit(self._consumer)
-            self._consumer.close()  # leaves the group: the partitions move to other members at once
-            log.info("consumer closed")
+    def _close_consumer(self) -> None:
+        if self.errors.fatal is None:
+            self._commits.commit(self._consumer)
+        self._consumer.close()  # leaves the group: the partitions move to other members at once
+        log.info("consumer closed")
 
     def _poll_once(self) -> None:
         self._take_in(self._fetch())
         self._commits.turn(self._consumer, time.monotonic())
         self._flow.update(self._consumer, self._commits.in_flight)
         if self._flow.draining and self._flow.paused:
-            self._paused_for_good.set()
+            self._loop.paused_for_good.set()
 
     def _fetch(self) -> list[Any]:
         """Whatever is ready, up to ``max_poll_records``, without waiting for a full set: ``consume(n, t)``

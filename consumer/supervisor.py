@@ -347,7 +347,7 @@ class Supervisor:
 
         from kinference.consumer.metrics import build_info
 
-        shared = MultiProcessCollector(None, path=str(self.metrics_dir))  # type: ignore[arg-type]
+        shared = MultiProcessCollector(None, path=str(self.metrics_dir))
         yield from (family for family in shared.collect() if family.name not in WORKER_LOCAL_METRICS)
         states = self.states()
         yield GaugeMetricFamily("kinference_ready", "1 while /readyz would answer 200 (every worker ready), else 0.",

@@ -55,7 +55,7 @@ class ExistingTopics:
 
         def lister(timeout_s: float) -> set[str]:
             nonlocal client
-            client = client or AdminClient(client_config)
+            client = client or AdminClient({**client_config})
             return list_topics(client, timeout_s)
 
         return cls(lister)

@@ -27,15 +27,15 @@ def create_topics(
     timeout_s: float = 30.0,
     replication_factor: int = 1,
     topic_config: Mapping[str, str] | None = None,
-    **config: str,
+    admin_config: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Create ``{name: partitions}`` topics with ``topic_config`` (``retention.ms``...); topics that already
     exist are left as they are.
 
-    ``config`` holds librdkafka properties of the admin client (security, SASL). Returns the names of
+    ``admin_config`` holds librdkafka properties of the admin client (security, SASL). Returns the names of
     the topics that were created.
     """
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **config})
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(admin_config or {})})
     futures = admin.create_topics(
         [NewTopic(name, num_partitions=parts, replication_factor=replication_factor, config=dict(topic_config or {}))
          for name, parts in topics.items()],
@@ -74,11 +74,11 @@ def differences(
     topics: dict[str, int],
     topic_config: Mapping[str, str] | None = None,
     timeout_s: float = 30.0,
-    **config: str,
+    admin_config: Mapping[str, str] | None = None,
 ) -> dict[str, list[str]]:
     """How each existing topic of ``topics`` differs from what was asked: its partition count, and each asked
     topic config the broker reports another value for (a config it does not report is not compared)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **config})
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(admin_config or {})})
     try:
         metadata = admin.list_topics(timeout=timeout_s).topics
     except Exception as exc:

@@ -78,6 +78,12 @@ _UNTRACED = RequestTrace(INVALID_SPAN)
 """A request whose span could not be started: a no-op span, so it is served all the same."""
 
 
+def _span(request: Request) -> Span:
+    """The request's span: ``Tracing.received`` gave every request one (a no-op span when it could not)."""
+    trace = request.trace
+    return trace.span if isinstance(trace, RequestTrace) else INVALID_SPAN
+
+
 @dataclass(frozen=True, slots=True)
 class BatchTrace:
     """The span of one micro-batch, and the context that makes its stage spans children of it."""
@@ -134,7 +140,8 @@ def _exporter(name: str) -> SpanExporter:
         raise ConfigError(f"OTEL_TRACES_EXPORTER: no span exporter {name!r} is installed (kinference[otel] brings "
                           "otlp over http/protobuf and console; otlp over grpc needs pip install "
                           "opentelemetry-exporter-otlp-proto-grpc)")
-    return next(iter(found)).load()()
+    exporter: SpanExporter = next(iter(found)).load()()
+    return exporter
 
 
 def _resource() -> Resource:
@@ -205,7 +212,7 @@ class Tracing:
                         "messaging.batch.message_count": size})
         batch_context = span.get_span_context()
         for request in requests:
-            request_span = request.trace.span  # type: ignore[union-attr]
+            request_span = _span(request)
             request_span.add_link(batch_context)
             request_span.add_event("dispatched", timestamp=started)
         return BatchTrace(span, set_span_in_context(span))
@@ -220,13 +227,13 @@ class Tracing:
             try:
                 # Current in this thread while the handler runs, so that the handler's own spans nest under it; an
                 # exception sets its status ERROR and goes on to the stage, which fails the micro-batch.
-                with tracer.start_as_current_span(name, micro_batch.trace.context,  # type: ignore[union-attr]
+                with tracer.start_as_current_span(name, micro_batch.trace.context if micro_batch.trace else None,
                                                   attributes={"messaging.batch.message_count": len(active)}):
                     work(micro_batch)
             finally:
                 ended = time.time_ns()
                 for request in active:
-                    request.trace.span.add_event(name, timestamp=ended)  # type: ignore[union-attr]
+                    _span(request).add_event(name, timestamp=ended)
 
         return traced
 
@@ -234,7 +241,7 @@ class Tracing:
         """End the span of each request whose answer the broker has (publisher thread)."""
         ended = time.time_ns()
         for request in requests:
-            span = request.trace.span  # type: ignore[union-attr]
+            span = _span(request)
             if request.error is not None:
                 span.set_attribute("error.type", str(request.error.code))
                 span.set_status(Status(StatusCode.ERROR, request.error.message[:MAX_ERROR_MESSAGE]))

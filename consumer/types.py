@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from kinference.protocol import ErrorCode
 
-Headers = list[tuple[str, bytes]]
+Headers = list[tuple[str, bytes | None]]
 """A Kafka record's headers, as confluent-kafka hands them over and takes them."""
 
 PartitionKey = tuple[str, int]

@@ -157,6 +157,7 @@ class Accelerator:
             return model
         # dynamic=False makes one graph per shape, but dynamo keeps 8 per function by default and runs any
         # further shape eagerly. The limit is process-wide; raising it does not hurt other compiled code.
+        assert self.buckets is not None, "from_options refuses compile_backend without shape buckets"
         shapes = len(self.buckets.all())
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, shapes)
         if self.cuda and self.compile_backend == "inductor":  # CUDA graphs of the compiled model, per shape
@@ -259,7 +260,7 @@ def agreement(reference: torch.Tensor, candidate: torch.Tensor) -> float:
 
 def _compile_backend(handler: str, backend: Any) -> str:
     # Debug backends such as eager are accepted, but the message lists only the ones meant for serving.
-    if backend not in torch.compiler.list_backends(exclude_tags=()):
+    if not isinstance(backend, str) or backend not in torch.compiler.list_backends(exclude_tags=()):
         raise HandlerLoadError(
             f"{handler}: handler option compile_backend must be a torch.compile backend such as "
             f"{', '.join(torch.compiler.list_backends())}, not {backend!r}"

@@ -35,7 +35,7 @@ class TextClassificationHandler(TextHandler):
             )
 
     def reduce(self, output: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = output.logits.float()
+        logits: torch.Tensor = output.logits.float()
         return logits.sigmoid() if self.multi_label else logits.softmax(dim=-1)
 
     def postprocess(self, outputs: torch.Tensor, items: list[TextItem]) -> list[dict[str, list[dict[str, Any]]]]:

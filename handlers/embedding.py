@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ class EmbeddingHandler(TextHandler):
         super().setup(context)
         self.max_inputs = context.max_batch_size
 
-    def validate(self, payload: Any) -> TextItem | InputsItem:
+    def validate(self, payload: Any) -> TextItem | InputsItem:  # type: ignore[override]  # preprocess takes both
         if not isinstance(payload, dict) or "input" not in payload:
             return super().validate(payload)
         request = read_embeddings_request(payload)
@@ -87,7 +88,7 @@ class EmbeddingHandler(TextHandler):
             return sum(len(text.input_ids) for text in item.texts)
         return len(item.input_ids)
 
-    def preprocess(self, items: list[TextItem | InputsItem]) -> TextBatch:
+    def preprocess(self, items: Sequence[TextItem | InputsItem]) -> TextBatch:
         return super().preprocess(_rows(items))
 
     def configure(self, options: dict[str, Any]) -> None:
@@ -124,10 +125,10 @@ class EmbeddingHandler(TextHandler):
         return results
 
 
-def _rows(items: list[TextItem | InputsItem]) -> list[TextItem]:
+def _rows(items: Sequence[TextItem | InputsItem]) -> Sequence[TextItem]:
     """One batch row per text: an embeddings request's texts each take one."""
     if all(isinstance(item, TextItem) for item in items):
-        return items  # type: ignore[return-value]
+        return items  # type: ignore[return-value]  # all() narrows no element type: each is a TextItem
     return [text for item in items for text in ((item,) if isinstance(item, TextItem) else item.texts)]
 
 

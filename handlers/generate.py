@@ -152,11 +152,14 @@ class GenerateHandler(GenerativeHandler):
 
     def _tokens(self, request: ChatRequest) -> list[int]:
         if request.prompt is not None:
-            return self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
+            ids: list[int] = self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
+            return ids
         if self._template is None:
             raise InvalidInput('this model has no chat template: send {"prompt": "..."} instead of "messages"')
-        return self.tokenizer.apply_chat_template(list(request.messages), chat_template=self._template,  # type: ignore[arg-type]
-                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+        # read_chat_request gives a request its prompt or its messages: here, its messages.
+        ids = self.tokenizer.apply_chat_template(list(request.messages or ()), chat_template=self._template,
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
+        return ids
 
     def submit(self, request_id: str, prompt: Prompt) -> None:
         with self._lock:
@@ -264,7 +267,8 @@ def _chat_template(tokenizer: Any, model_dir: Path, path: str | None) -> str | N
     if tokenizer.chat_template is None:
         log.warning("the tokenizer in %s has no chat template: requests with \"messages\" are refused, {\"prompt\": "
                     "...} served (set one with --handler-options chat_template=FILE.jinja)", model_dir)
-    return tokenizer.chat_template
+    template: str | None = tokenizer.chat_template
+    return template
 
 
 def _eos(tokenizer: Any, model: Any, model_dir: Path) -> frozenset[int]:
@@ -342,11 +346,13 @@ class _Engine:
         cache = getattr(self._manager.batch_processor, "cache", None)
         if cache is None or not cache.num_sectors:
             return None
-        return 1.0 - cache.pool.num_free_sectors / cache.num_sectors
+        use: float = 1.0 - cache.pool.num_free_sectors / cache.num_sectors
+        return use
 
     @property
     def alive(self) -> bool:
-        return self._manager.is_running()
+        running: bool = self._manager.is_running()
+        return running
 
     def stop(self) -> None:
         if self._manager.is_running():

@@ -81,8 +81,9 @@ class ImageClassificationHandler(Handler):
 
     def setup(self, context: HandlerContext) -> None:
         options = with_defaults(self.name, self.defaults, context.options)
-        for key in ("top_k", "resize", "crop", "max_pixels", "max_side", "max_aspect", "max_scans"):
-            setattr(self, key, positive_int(self.name, key, options[key]))
+        self.top_k, self.resize, self.crop, self.max_pixels, self.max_side, self.max_aspect, self.max_scans = (
+            positive_int(self.name, key, options[key])
+            for key in ("top_k", "resize", "crop", "max_pixels", "max_side", "max_aspect", "max_scans"))
         if self.crop > self.resize:
             raise HandlerLoadError(f"{self.name}: crop={self.crop} is larger than resize={self.resize}")
         self.fast_jpeg = boolean(self.name, "fast_jpeg", options["fast_jpeg"])
@@ -110,6 +111,8 @@ class ImageClassificationHandler(Handler):
             # of its plugins in turn (a 940 KB JPEG of empty APP1 markers took 0.4 s of the poll thread).
             with Image.open(io.BytesIO(data), formats=FORMATS) as image:
                 image_format, size = image.format, image.size
+            if image_format is None:  # Pillow names the format of whatever it opened: never, but said, not assumed
+                raise ValueError("Pillow opened it without naming its format")
         except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
             raise InvalidInput(f"not a {', '.join(FORMATS)} image ({type(exc).__name__}: {exc})") from exc
         # Decoding costs one pass over the pixels per scan: a few KB of extra progressive scans made a 4000x4000
@@ -134,7 +137,8 @@ class ImageClassificationHandler(Handler):
     # --- preprocess threads: decode, resize, crop, normalise
 
     def preprocess(self, items: list[ImageItem]) -> ImageBatch:
-        rows, errors = [], []
+        rows: list[np.ndarray] = []
+        errors: list[InvalidInput | None] = []
         for item in items:
             try:
                 rows.append(self._pixels(item))

@@ -48,7 +48,8 @@ class _Positional(torch.nn.Module):
         self.names = names
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        return self.model(**dict(zip(self.names, tensors, strict=True)))[0]
+        first: torch.Tensor = self.model(**dict(zip(self.names, tensors, strict=True)))[0]
+        return first
 
 
 class OnnxRuntimeForward:

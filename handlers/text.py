@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -99,7 +99,8 @@ def _loaded(handler: str, model_dir: Path, load: Callable[[], Any]) -> Any:
 
 def _load_tokenizer(handler: str, model_dir: Path) -> PreTrainedTokenizerBase:
     # local_files_only: a directory without the files must fail here, not reach for the model hub.
-    tokenizer = _loaded(handler, model_dir, lambda: AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+    tokenizer: PreTrainedTokenizerBase = _loaded(
+        handler, model_dir, lambda: AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
     if not getattr(tokenizer, "is_fast", False):
         raise HandlerLoadError(f"{handler}: the tokenizer in {model_dir} has no fast (Rust) version: save "
                                "its tokenizer.json (AutoTokenizer.from_pretrained(..., use_fast=True)"
@@ -143,7 +144,7 @@ def encoder(tokenizer: PreTrainedTokenizerBase, max_length: int) -> tokenizers.T
     differ from the call's, and a backend changed while another thread encodes with it raises "Already
     borrowed" (huggingface/tokenizers#537). This copy is set once, here, and then only read.
     """
-    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    backend: tokenizers.Tokenizer = copy.deepcopy(tokenizer.backend_tokenizer)
     backend.enable_truncation(max_length, stride=0, strategy="longest_first", direction=tokenizer.truncation_side)
     backend.no_padding()  # tokenizer.json may ask for fixed-length padding: collation pads instead
     backend.encode_special_tokens = tokenizer.split_special_tokens
@@ -291,13 +292,13 @@ class TextHandler(Handler):
     def cost(self, item: TextItem) -> int:
         return len(item.input_ids)
 
-    def preprocess(self, items: list[TextItem]) -> TextBatch:
+    def preprocess(self, items: Sequence[TextItem]) -> TextBatch:
         longest = max(len(item.input_ids) for item in items)
         buckets = self.accelerator.buckets
         rows, length = (len(items), longest) if buckets is None else buckets.shape(len(items), longest)
         return self._collate(items, rows, length)
 
-    def _collate(self, items: list[TextItem], rows: int, length: int) -> TextBatch:
+    def _collate(self, items: Sequence[TextItem], rows: int, length: int) -> TextBatch:
         """Right-pad ``items`` into ``rows`` x ``length`` tensors; rows past the items are all padding."""
         # Filled in numpy, then one torch.from_numpy per tensor: about 5 us an item, against 40 for torch rows.
         arrays = {name: np.full((rows, length), pad, dtype=np.int64) for name, pad in self._pads().items()}

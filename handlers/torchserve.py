@@ -137,7 +137,7 @@ class TorchServeHandler(Handler):
         except BaseException:
             self._resources.close()
             raise
-        instance = getattr(self.entry_point, "__self__", None)
+        instance: Any = getattr(self.entry_point, "__self__", None)
         splittable = isinstance(instance, BaseHandler) and type(instance).handle is BaseHandler.handle
         if stages == "split" and not splittable:
             self._resources.close()
@@ -204,6 +204,9 @@ class StageContext(Context):
     the calling thread: kinference runs preprocess, inference and postprocess of different micro-batches at
     once, and a handler reads them through the one shared context (``get_request_header(idx, ...)``)."""
 
+    request_processor: Any
+    """Context's list of the batch's request processors: this thread's (``_request_processor``)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._thread = threading.local()
         super().__init__(*args, **kwargs)
@@ -217,7 +220,7 @@ class StageContext(Context):
         self._thread.processors = processors
 
     @property
-    def request_ids(self) -> Any:  # type: ignore[override]
+    def request_ids(self) -> Any:
         return getattr(self._thread, "ids", None)
 
     @request_ids.setter
@@ -284,9 +287,11 @@ def _entry_point(archive: Archive) -> tuple[Callable[..., Any], Callable[[Any], 
             if (archive.directory / _module_file(archive.handler)).exists():
                 raise own  # the archive's handler exists but cannot import: say why, not "no stock handler"
             module, function_name = loader._load_default_handler(archive.handler), None
-        if hasattr(module, function_name or "handle"):
-            return loader._get_function_entry_point(module, function_name or "handle")
-        return loader._get_class_entry_point(module)
+        function_name = function_name or "handle"
+        entry: tuple[Callable[..., Any], Callable[[Any], None]] = (
+            loader._get_function_entry_point(module, function_name) if hasattr(module, function_name)
+            else loader._get_class_entry_point(module))
+        return entry
     except (ImportError, ValueError) as exc:
         raise HandlerLoadError(f"torchserve: cannot load the handler {archive.handler!r} of {archive.name}: "
                                f"{exc!r}") from exc
@@ -362,19 +367,21 @@ class PrometheusMetrics(MetricCacheAbstract):
 
     def _add_default_dims(self, idx: Any, dimensions: list[Any]) -> list[Any]:
         # A copy: TorchServe's API passes one shared default list, which its own implementation appends to.
-        return super()._add_default_dims(idx, list(dimensions))
+        dims: list[Any] = super()._add_default_dims(idx, list(dimensions))
+        return dims
 
     def get_metric(self, metric_name: str, metric_type: Any = None) -> PrometheusMetric:
         try:
-            return self.cache[(_kind(metric_type), metric_name)]
+            metric: PrometheusMetric = self.cache[(_kind(metric_type), metric_name)]
         except KeyError:
             raise MetricsCacheKeyError(f"metric {metric_name} of type {metric_type} is not known") from None
+        return metric
 
     def add_metric_to_cache(self, metric_name: str, unit: str, dimension_names: list[str] | None = None,
                             metric_type: Any = None) -> PrometheusMetric:
         kind = _kind(metric_type)
         with self._lock:
-            metric = self.cache.get((kind, metric_name))
+            metric: PrometheusMetric | None = self.cache.get((kind, metric_name))
             if metric is None:
                 metric = self.cache[(kind, metric_name)] = PrometheusMetric(
                     metric_name, unit, list(dimension_names or []), kind, self._registry)

@@ -39,7 +39,8 @@ class Archive:
 
     @property
     def model(self) -> dict[str, Any]:
-        return self.manifest.get("model", {})
+        model: dict[str, Any] = self.manifest.get("model", {})
+        return model
 
     @property
     def name(self) -> str:

@@ -156,7 +156,7 @@ def decode_partition(raw: bytes) -> int:
     """Inverse of ``encode_partition``; ``ValueError`` says what is wrong."""
     if len(raw) != 4:
         raise ValueError(f"header {SPRING_REPLY_PARTITION} must be a 4-byte big-endian int")
-    partition = struct.unpack(">i", raw)[0]
+    partition: int = struct.unpack(">i", raw)[0]
     if partition < 0:
         raise ValueError(f"header {SPRING_REPLY_PARTITION} is negative")
     return partition

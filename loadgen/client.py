@@ -272,8 +272,11 @@ class Client:
         deadline, block = timing
         if self._producer is None or self._stopping.is_set():
             raise ClientClosed("the client is not started or already closed")
-        payload = value if isinstance(value, bytes | bytearray | memoryview) else orjson.dumps(value)
-        record_headers = [(CORRELATION_ID, correlation_id.encode()), *self._routing, *headers]
+        # bytes() of a bytearray or memoryview: the producer takes read-only bytes only (TypeError otherwise).
+        payload = value if isinstance(value, bytes) else bytes(value) if isinstance(value, bytearray | memoryview) \
+            else orjson.dumps(value)
+        record_headers: list[tuple[str, str | bytes | None]] = [(CORRELATION_ID, correlation_id.encode()),
+                                                                *self._routing, *headers]
         if self.propagate_deadline:
             epoch_ms = int((time.time() + deadline - time.monotonic()) * 1000)
             record_headers.append((DEADLINE_MS, encode_deadline(epoch_ms)))
@@ -325,12 +328,11 @@ class Client:
             log.log(logging.DEBUG if unused_group else logging.WARNING, "reply consumer: %s", record.error())
             return
         correlation_id = _correlation_id(record)
-        put = self._streams.get(correlation_id) if correlation_id else None
-        if put is not None:
+        if correlation_id and (put := self._streams.get(correlation_id)) is not None:
             put((record, received_at))
             if _is_chunk(record):
                 return  # the final, or an error reply, ends the request
-            self._streams.pop(correlation_id, None)  # type: ignore[arg-type]
+            self._streams.pop(correlation_id, None)
         entry = self._pending.take(correlation_id) if correlation_id else None
         if entry is not None:
             settle(entry.future, Reply.from_record(record, entry.sent_at, received_at))
@@ -393,7 +395,8 @@ def _is_chunk(record: Any) -> bool:
 def _correlation_id(record: Any) -> str | None:
     for name, raw in record.headers() or []:
         if name == CORRELATION_ID and raw is not None:
-            return raw.decode("utf-8", "replace")
+            correlation_id: str = raw.decode("utf-8", "replace")
+            return correlation_id
     return None
 
 

@@ -45,7 +45,7 @@ class Pending:
     correlation_id: str
     deadline: float
     sent_at: float
-    future: Future = field(default_factory=Future)
+    future: Future[Any] = field(default_factory=Future)
 
 
 class PendingTable:
@@ -151,7 +151,7 @@ class PendingTable:
         return entry
 
 
-def settle(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+def settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
     """Complete ``future`` unless its caller already cancelled it."""
     try:
         if error is not None:

@@ -85,7 +85,7 @@ def build_report(samples: Sequence[Sample], *, duplicates: int = 0, late: int = 
         "window_s": round(window_s, 3),
         "throughput_rps": _rate(len(answered), window_s),
         "goodput_rps": _rate(ok, window_s),
-        "latency_ms": percentiles(sample.latency_ms for sample in answered),  # type: ignore[misc]
+        "latency_ms": percentiles(sample.latency_ms for sample in answered),  # type: ignore[misc]  # answered: each has one
         "server": server_figures(answered),
         **({"generation": generation_figures(samples, window_s)} if generative else {}),
     }

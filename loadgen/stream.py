@@ -55,7 +55,7 @@ class Stream:
     final by the deadline raises ``RequestTimeout``."""
 
     def __init__(self, records: queue.Queue[Received] | asyncio.Queue[Received], deadline: float,
-                 correlation_id: str, sent_at: float, forget: Callable[[], None]) -> None:
+                 correlation_id: str, sent_at: float, forget: Callable[[], object]) -> None:
         """``records``: the request's records as the client's reader gets them; ``forget`` stops that at a timeout."""
         self.correlation_id = correlation_id
         self._forget = forget
@@ -117,7 +117,7 @@ class Stream:
 
     def _read(self, record: Any, headers: dict[str, bytes], received_at: float) -> str | None:
         if headers[EVENT] == b"delta":
-            text = orjson.loads(record.value())["choices"][0]["delta"].get("content", "")
+            text: str = orjson.loads(record.value())["choices"][0]["delta"].get("content", "")
             self._text += text
             return text
         completion = Reply.from_record(record, self._sent_at, received_at).result()

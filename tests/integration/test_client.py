@@ -92,6 +92,13 @@ def test_error_reply_is_a_reply_whose_result_raises(served):
         reply.result()
 
 
+def test_a_bytearray_or_memoryview_value_is_sent_as_its_bytes(served):
+    """The producer takes read-only bytes only: the client hands it their bytes (it raised TypeError)."""
+    with client(served) as kinference:
+        replies = [kinference.request(value) for value in (bytearray(b'{"n": 1}'), memoryview(b'{"n": 2}'))]
+    assert [reply.result() for reply in replies] == [{"n": 1}, {"n": 2}]
+
+
 def test_timeout_resolves_as_timeout_and_leaves_nothing_pending(served):
     with client(served, "orphan") as kinference:
         started = time.monotonic()

@@ -65,7 +65,7 @@ def secured(tmp_path_factory) -> Iterator[SecuredKafka]:
         pytest.skip(f"secured Kafka runs on Apache Kafka: {exc}")
     with SecuredKafka(CertificateAuthority(tmp_path_factory.mktemp("tls"))) as kafka:
         # Someone else's topic, that no test's principal may see.
-        create_topics(kafka.bootstrap_servers, {"someone-elses": 1}, **kafka.client_properties)
+        create_topics(kafka.bootstrap_servers, {"someone-elses": 1}, admin_config=kafka.client_properties)
         yield kafka
 
 
@@ -227,7 +227,7 @@ def a_principal_with_the_documented_acls_serves(secured: SecuredKafka, mechanism
     mode; the client's principal has only the client column. Neither sees any topic but its own."""
     names = Names.unique()
     create_topics(secured.bootstrap_servers, {names.requests: 2, names.replies: 1, names.dead: 1},
-                  **secured.client_properties)
+                  admin_config=secured.client_properties)
     server, user = secured.login(mechanism, f"serve-{names.suffix}"), secured.login(mechanism, f"user-{names.suffix}")
     secured.grant([*bindings(f"serve, {mode}", server.principal, names),
                    *bindings("loadgen, Client", user.principal, names)])
@@ -252,7 +252,7 @@ def a_principal_with_the_documented_acls_serves(secured: SecuredKafka, mechanism
 def a_share_group_member_without_alter_configs_on_its_group_says_which_acl_it_lacks(secured: SecuredKafka) -> None:
     names = Names.unique()
     create_topics(secured.bootstrap_servers, {names.requests: 1, names.replies: 1, names.dead: 1},
-                  **secured.client_properties)
+                  admin_config=secured.client_properties)
     server = secured.login("SCRAM", f"serve-{names.suffix}")
     alter_configs = allow(server.principal, ResourceType.GROUP, names.group, AclOperation.ALTER_CONFIGS)
     granted = bindings("serve, share group", server.principal, names)

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from kinference.consumer.answers import InFlight
+from kinference.consumer.at_least_once import AtLeastOnce
 from kinference.consumer.config import ServiceConfig, load_config
 from kinference.consumer.intake import Intake
 from kinference.consumer.metrics import Metrics
@@ -28,6 +30,24 @@ def requests_of(ledger: ShareLedger, count: int) -> list:
     intake = Intake(RequestDecoder("replies", 1000), ledger, models)
     intake.take([Record(b'{"n": %d}' % i, offset=i) for i in range(count)], on_error=lambda _: None)
     return models.routed
+
+
+def test_at_least_once_settles_in_the_share_ledger_what_the_broker_acknowledged_and_holds_nothing_back():
+    """The publisher's side of a share group (at_least_once.AtLeastOnce): answers go out in the turn that took them
+    (nothing held for a transaction), and once acknowledged their records are settled in the ledger, for the source
+    to acknowledge."""
+    ledger = ShareLedger()
+    mode = AtLeastOnce(ledger, "dead")
+    ok, failed = requests_of(ledger, 2)
+    ok.reply_value = b"{}"  # what the stages made of it
+    failed.fail(RequestError("no", ErrorCode.HANDLER_ERROR))
+    mode.take([ok, failed])
+    deliveries = mode.begin(None, time.monotonic(), False)
+    assert {delivery.request for delivery in deliveries} == {ok, failed} and ledger.in_flight == 2
+    for delivery in deliveries:
+        mode.delivered(delivery)
+    assert mode.end(None, InFlight()).answered == [ok, failed] and ledger.in_flight == 0
+    assert ledger.take() == [("requests", 0, 0, AcknowledgeType.ACCEPT), ("requests", 0, 1, AcknowledgeType.REJECT)]
 
 
 def test_answered_records_are_accepted_failed_ones_rejected_and_abandoned_ones_released():

@@ -238,7 +238,7 @@ def test_leaving_the_group_ends_the_revoke_although_the_consumer_has_no_generati
     source.start()
     with caplog.at_level(logging.INFO, logger="kinference.consumer"):
         source.close(time.monotonic() + 5)
-    assert not source._thread.is_alive() and "consumer closed" in caplog.text
+    assert not source.alive and "consumer closed" in caplog.text
     assert source.rebalance.partitions == set()
     assert metrics.registry.get_sample_value("kinference_assigned_partitions") == 0
     assert consumer.calls[-2:] == [unassign, ("close", None)]
@@ -250,7 +250,7 @@ def test_a_fatal_consumer_error_ends_the_poll_loop():
     source.start()
     source.errors.on_client(KafkaError(KafkaError._FENCED, "fenced by a newer instance", fatal=True))
     deadline = time.monotonic() + 5
-    while source._thread.is_alive() and time.monotonic() < deadline:
+    while source._loop._thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not source.alive and source.errors.fatal.code() == KafkaError._FENCED
     assert metrics.registry.get_sample_value("kinference_fatal_errors_total", {"client": "consumer"}) == 1
