@@ -166,6 +166,7 @@ class GenerateHandler(GenerativeHandler):
                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
 
     def submit(self, request_id: str, prompt: Prompt) -> None:
+        engine = self._live_engine
         with self._lock:
             if request_id in self._running:
                 raise RequestError(f"request {request_id} is already generating", ErrorCode.INTERNAL_ERROR)
@@ -173,7 +174,7 @@ class GenerateHandler(GenerativeHandler):
         sampling = prompt.sampling
         extra = {} if self.greedy else {"temperature": max(sampling.temperature, MIN_TEMPERATURE),
                                         "top_p": sampling.top_p}
-        if not self._live_engine.add(request_id, list(prompt.token_ids), sampling.max_tokens, extra):
+        if not engine.add(request_id, list(prompt.token_ids), sampling.max_tokens, extra):
             with self._lock:
                 del self._running[request_id]
             raise RequestError("the generation engine is not running", ErrorCode.INTERNAL_ERROR)
