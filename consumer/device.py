@@ -221,7 +221,7 @@ class DeviceServer:
                 send_message(sock, f"model {model!r} does not generate in this device process")
                 sock.close()
                 return
-        except (OSError, ValueError, pickle.UnpicklingError) as exc:
+        except (OSError, ValueError, TypeError, pickle.UnpicklingError) as exc:
             log.warning("a connection failed to start (%s); closed", exc)
             sock.close()
             return

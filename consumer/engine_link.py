@@ -109,7 +109,8 @@ class EngineLink:
                 if message is None:
                     raise ConnectionResetError("the device process closed the connection")
                 events += message[0]
-                self._kv_cache_use = message[1]
+                if message[1] is not None:  # an engine's refusal says nothing of its cache
+                    self._kv_cache_use = message[1]
                 readable, _, _ = select.select([sock], [], [], 0)
         except (OSError, ValueError) as exc:  # ValueError: select on a socket closed meanwhile by a failed send
             with self._lock:
