@@ -15,8 +15,8 @@ micro-batch to its device process (``device_link``). Here:
    rows go back to its worker through its arena. A batch that fails is run again one job at a time, so that one
    worker's bad micro-batch fails alone.
 
-The device process is a port: what it serves is a handler's ``merge`` + ``inference``; a continuous-batching
-engine (issue 28) takes the same place, fed by the same links.
+A generative model's continuous-batching engine (issue 28) is served beside them (``device_engine``): a worker's
+connection that opens with ``("generate", model)`` instead of its arena is that worker's link to the engine.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kinference.consumer.arena import Arena
+from kinference.consumer.device_engine import DeviceEngine
 from kinference.consumer.device_link import MAX_MESSAGE_BYTES
+from kinference.consumer.engine_link import send_message
 from kinference.handlers.base import Handler
 
 if TYPE_CHECKING:
@@ -95,11 +97,12 @@ class Connection:
 
 
 class DeviceServer:
-    """``start()`` listens on ``path`` and serves ``handlers`` (by model name) until ``stop()``."""
+    """``start()`` listens on ``path`` and serves ``handlers`` and ``engines`` (by model name) until ``stop()``."""
 
     def __init__(self, handlers: dict[str, Handler], path: Path, batching: DeviceBatching,
-                 metrics: DeviceMetrics) -> None:
+                 metrics: DeviceMetrics, engines: dict[str, DeviceEngine] | None = None) -> None:
         self._handlers = handlers
+        self._engines = engines or {}
         self.path = Path(path)
         self._batching = batching
         self._metrics = metrics
@@ -120,6 +123,8 @@ class DeviceServer:
         listener.listen(256)
         listener.settimeout(_ACCEPT_POLL_S)
         self._listener = listener
+        for name, engine in self._engines.items():
+            self._spawn(engine.pump, f"kinference-device-engine-{name}")
         self._spawn(self._accept, "kinference-device-accept")
         return self
 
@@ -135,6 +140,8 @@ class DeviceServer:
         """Stop taking calls, finish the batches running (within ``timeout_s``), close every connection; calls still
         waiting are sent again by their workers to the next device process (or fail after ``device_wait_s``)."""
         self._stopping.set()
+        for engine in self._engines.values():
+            engine.stop()
         deadline = time.monotonic() + timeout_s
         for _ in range(self._batching.threads):  # every slot back: no batch runs any more
             if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -180,9 +187,13 @@ class DeviceServer:
             reader.start()
 
     def _read(self, sock: socket.socket) -> None:
-        """One worker thread's calls, until it disconnects; the first message hands over its arena."""
+        """One worker thread's calls, until it disconnects; the first message hands over its arena, or opens a
+        generative model's link (``engine_link``)."""
         try:
             data, fds, _flags, _address = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 1)
+            if not fds:
+                self._serve_engine(sock, data)
+                return
             kind, size = pickle.loads(data)
             if kind != "hello" or len(fds) != 1:
                 log.warning("a connection did not start with its arena; closed")
@@ -200,6 +211,21 @@ class DeviceServer:
             self._connections.discard(connection)
             sock.close()
             connection.arena.close()  # a job of it still queued keeps its mapping until it has run
+
+    def _serve_engine(self, sock: socket.socket, hello: bytes) -> None:
+        """A worker's link to a generative model: its engine takes the connection until it closes."""
+        try:
+            _kind, model = pickle.loads(hello[1:])  # one packet: ``engine_link.send_message``'s framing
+            engine = self._engines.get(model)
+            if engine is None:
+                send_message(sock, f"model {model!r} does not generate in this device process")
+                sock.close()
+                return
+        except (OSError, ValueError, TypeError, pickle.UnpicklingError) as exc:
+            log.warning("a connection failed to start (%s); closed", exc)
+            sock.close()
+            return
+        engine.serve(sock)
 
     def _serve(self, connection: Connection) -> None:
         while not self._stopping.is_set():

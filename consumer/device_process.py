@@ -18,9 +18,11 @@ from prometheus_client import REGISTRY
 from kinference.consumer.calibration import Calibration, calibrate
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.device import DeviceBatching, DeviceMetrics, DeviceServer
+from kinference.consumer.device_engine import DeviceEngine
 from kinference.consumer.models import served_name
 from kinference.errors import ConfigError
 from kinference.handlers import Handler, HandlerContext, load_handler
+from kinference.handlers.generative import GenerativeHandler
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ class DeviceProcess:
         self._max_rows = (DEFAULT_DEVICE_BATCH_SIZE if config.device_batch_size == "auto"
                           else int(config.device_batch_size))
         self._handlers: dict[str, Handler] = {}
+        """The models whose batches run here (``merge`` + ``inference``)."""
+        self._engines: dict[str, DeviceEngine] = {}
+        """The generative models' engines (``device_engine``)."""
         self._server: DeviceServer | None = None
         self._ready = threading.Event()
 
@@ -64,16 +69,19 @@ class DeviceProcess:
             torch.set_num_threads(self._config.torch_threads)
         for name, handler in self._load():
             handler.warm_up()
-            self._handlers[name] = handler
-        if not self._handlers:
+            if isinstance(handler, GenerativeHandler):
+                self._engines[name] = DeviceEngine(name, handler)
+            else:
+                self._handlers[name] = handler
+        if not self._handlers and not self._engines:
             raise ConfigError("no model of this service can run in a device process: use --device-process off")
         batch_size = self._calibrate()
         batching = DeviceBatching(batch_size, threads=self._config.device_threads)
         self._server = DeviceServer(self._handlers, socket_path(self._host_dir, self._index), batching,
-                                    DeviceMetrics(self._index, REGISTRY)).start()
+                                    DeviceMetrics(self._index, REGISTRY), self._engines).start()
         self._ready.set()
         log.info("device process %d serving %s on %s (device batches of up to %d items, %d threads)", self._index,
-                 ", ".join(self._handlers), self._device, batch_size, batching.threads)
+                 ", ".join([*self._handlers, *self._engines]), self._device, batch_size, batching.threads)
         return self
 
     def _load(self) -> list[tuple[str, Handler]]:
@@ -95,11 +103,11 @@ class DeviceProcess:
         fixed = None if config.device_batch_size == "auto" else int(config.device_batch_size)
         if fixed is not None and config.workers != "auto":
             return fixed
-        name, handler = next(iter(self._handlers.items()))
-        result = calibrate(handler, self._max_rows, fixed)
-        if result is None:
-            log.info("calibration: model %s has no calibration payloads; device batches of up to %d items", name,
-                     self._max_rows)
+        name, handler = next(iter(self._handlers.items()), (None, None))
+        result = None if handler is None else calibrate(handler, self._max_rows, fixed)
+        if result is None:  # a generative engine batches per decoding step: nothing to calibrate
+            log.info("calibration: model %s has no calibration payloads; device batches of up to %d items",
+                     name or ", ".join(self._engines), self._max_rows)
             result = Calibration(self._max_rows, 0.0, 0.0, 1, {})
         else:
             log.info("device %d %s", self._index, result.line())
@@ -127,5 +135,5 @@ class DeviceProcess:
     def stop(self, timeout_s: float) -> None:
         if self._server is not None:
             self._server.stop(timeout_s)
-        for handler in self._handlers.values():
+        for handler in [*self._handlers.values(), *(engine.handler for engine in self._engines.values())]:
             handler.close()

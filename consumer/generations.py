@@ -19,7 +19,8 @@ Every record of a request carries its key, its correlation id and the headers ``
 generated), on one partition (``Publisher`` pins a keyless request's partition at its first chunk).
 
 A revoked partition's generations are cancelled and left unanswered: the next owner generates them again, under a
-new attempt id.
+new attempt id. A generation whose engine was lost (``lost``: the device process that ran it died) goes back to
+the head of the queue and is generated again here, under a new attempt id, up to ``MAX_ATTEMPTS`` times.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from kinference.consumer.metrics import Metrics
 from kinference.consumer.request import Request
 from kinference.consumer.types import Headers, PartitionKey
 from kinference.errors import RequestError
-from kinference.handlers.generative import Event, GenerativeHandler, Prompt
+from kinference.handlers.generative import Event, GenerativePort, Prompt
 from kinference.openai import chunk, completion
 from kinference.protocol import ATTEMPT, CORRELATION_ID, EVENT, SEQUENCE, ErrorCode, encode_error
 
@@ -48,6 +49,11 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.02
 """The drain thread's wait for events: also how often deadlines and due chunks are looked at."""
+
+MAX_ATTEMPTS = 3
+"""Generations of one request whose engine is lost each time: the last such loss fails it with ``handler_error``
+(a prompt that kills its device process must not restart it forever; the supervisor gives up after 5 quick deaths
+in a row)."""
 
 Answer = Callable[[list[Request]], None]
 
@@ -92,6 +98,8 @@ class _Generation:
     pending: str = ""
     """Text generated and not sent in a chunk yet."""
     pending_tokens: int = 0
+    tokens: int = 0
+    """Generated so far."""
     last_sent: float = 0.0
     ending: str | None = None
     """Why it was cancelled (``deadline`` or ``cancelled``), until its engine says it has stopped."""
@@ -114,7 +122,7 @@ class ReplyFormat:
 class Generations:
     """The requests of one generative model; ``start``/``stop`` its drain thread."""
 
-    def __init__(self, name: str, handler: GenerativeHandler, answer: Answer,
+    def __init__(self, name: str, handler: GenerativePort, answer: Answer,
                  stream: Callable[[list[StreamChunk]], None], settings: GenerationSettings, metrics: Metrics) -> None:
         self.name = name
         self._handler = handler
@@ -126,6 +134,8 @@ class Generations:
         self._waiting: deque[Request] = deque()
         self._running: dict[str, _Generation] = {}
         self._per_partition: dict[PartitionKey, int] = {}
+        self._lost: dict[Request, int] = {}
+        """Requests whose engine was lost, and how many times."""
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kinference-generate-{name}", daemon=True)
         self.crashed: str | None = None
@@ -149,6 +159,8 @@ class Generations:
                     self._forget(request_id)
                     self._handler.cancel(request_id)
                     dropped.append(generation.request)
+            for request in dropped:
+                self._lost.pop(request, None)
             self._admit()
         return dropped
 
@@ -259,11 +271,19 @@ class Generations:
             raise
 
     def _apply(self, events: list[Event], now: float) -> tuple[list[StreamChunk], list[Request]]:
-        chunks, answered = [], []
+        chunks, answered, again = [], [], []
         for event in events:
             generation = self._running.get(event.request_id)
             if generation is None:
                 continue  # dropped by a revoke: the next owner answers it
+            if event.kind == "lost":
+                self._forget(event.request_id)
+                ended = self._after_loss(generation)
+                if ended is None:
+                    again.append(generation.request)
+                else:
+                    answered.append(self._finish(generation, ended))
+                continue
             if event.kind == "delta":
                 if event.completion_tokens == 1:
                     self._metrics.labelled(self._metrics.time_to_first_token, self.name).observe(
@@ -271,13 +291,29 @@ class Generations:
                 generation.text += event.text
                 generation.pending += event.text
                 generation.pending_tokens += 1
+                generation.tokens = event.completion_tokens
                 if generation.sequence == 0 or self._chunk_due(generation, now):
                     chunks += self._chunk(generation, now)
                 continue
             self._forget(event.request_id)
             chunks += self._chunk(generation, now)  # what is buffered goes before the final
             answered.append(self._finish(generation, event))
+        self._waiting.extendleft(reversed(again))  # first in line, in their order: ``_admit`` submits them again
         return chunks, answered
+
+    def _after_loss(self, generation: _Generation) -> Event | None:
+        """A generation whose engine was lost: None to generate it again (its buffered text goes with the lost
+        attempt); else the event it ends with: a cancel or deadline already asked for, or too many losses."""
+        request, prompt_tokens = generation.request, len(generation.prompt.token_ids)
+        if generation.ending is not None:
+            return Event("", "cancelled", generation.text, generation.tokens, prompt_tokens)
+        losses = self._lost[request] = self._lost.get(request, 0) + 1
+        if losses < MAX_ATTEMPTS:
+            log.info("model %s: request %s generated again: its engine was lost (%d of %d attempts)", self.name,
+                     request.correlation_id, losses, MAX_ATTEMPTS)
+            return None
+        return Event("", "error", f"the engine was lost {losses} times while generating this request",
+                     generation.tokens, prompt_tokens)
 
     def _chunk_due(self, generation: _Generation, now: float) -> bool:
         return (generation.pending_tokens >= self._settings.stream_every_tokens
@@ -300,6 +336,7 @@ class Generations:
 
     def _finish(self, generation: _Generation, event: Event) -> Request:
         request = generation.request
+        self._lost.pop(request, None)
         if request.reply_format is None:
             request.reply_format = ReplyFormat(generation)
         if event.kind == "error":

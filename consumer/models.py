@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from kinference.consumer.admission import admit
 from kinference.consumer.batcher import Batcher
 from kinference.consumer.config import Batching, ServiceConfig
+from kinference.consumer.engine_link import EngineLink
 from kinference.consumer.generations import Generations, GenerationSettings, StreamChunk
 from kinference.consumer.metrics import Metrics
 from kinference.consumer.oip import ServedModel as OipModel
@@ -31,7 +32,7 @@ from kinference.consumer.types import PartitionKey
 from kinference.errors import ConfigError, RequestError
 from kinference.handlers import Handler, HandlerContext, load_handler
 from kinference.handlers.base import Role
-from kinference.handlers.generative import GenerativeHandler
+from kinference.handlers.generative import GenerativeHandler, GenerativePort
 from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
@@ -96,6 +97,8 @@ class Models:
         self._by_name: dict[str, LoadedModel] = {}
         self._answer: Answer | None = None
         self._link: DeviceLink | None = None
+        self._engine_links: list[EngineLink] = []
+        """The generative models whose engine runs in the device process."""
         self._busy: list[LoadedModel] = []
         """Models whose stage threads did not stop (``stop``): their handlers are not closed."""
 
@@ -152,15 +155,23 @@ class Models:
 
     def _build_generative(self, settings: ServiceConfig, handler: GenerativeHandler, answer: Answer,
                           stream: Stream, metrics: Metrics) -> LoadedModel:
-        """A generative model skips the batcher and the stages: its engine batches per decoding step."""
+        """A generative model skips the batcher and the stages: its engine batches per decoding step, in this
+        process or, with a device process, there (``engine_link``): once for every worker."""
         name = served_name(settings, handler)
-        generations = Generations(name, handler, answer, stream,
+        port: GenerativePort = handler
+        if self._link is not None and handler.device_process:
+            port = EngineLink(self._link.path, name, settings.device_wait_s)
+            self._engine_links.append(port)
+        generations = Generations(name, port, answer, stream,
                                   GenerationSettings.of(settings, handler.max_sequences), metrics)
         route = ModelRoute(name, settings.model_version, handler.payload_format, None)
         return LoadedModel(settings, settings.batching, handler, route, generations, generations, max_in_flight=None)
 
     def start(self, metrics: Metrics) -> None:
-        """Start every model's stage threads; returns once their inference threads warmed the models up."""
+        """Start every model's stage threads; returns once their inference threads warmed the models up (and the
+        device process serves the generative models that run there)."""
+        for link in self._engine_links:
+            link.connect()
         for model in self.loaded:
             model.pipeline.start()
             metrics.model.labels(model.name).info(_info_labels(model.handler.describe()))
@@ -245,6 +256,8 @@ class Models:
                             "return); its handler.close() is skipped", model.name)
             else:
                 model.handler.close()
+        for link in self._engine_links:
+            link.close()
 
 
 def _routed(request: Request) -> ModelRoute:

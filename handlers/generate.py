@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 from tokenizers.decoders import DecodeStream
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from kinference.errors import HandlerLoadError, InvalidInput, RequestError
 
@@ -85,6 +85,9 @@ class _Sequence:
 
 class GenerateHandler(GenerativeHandler):
     name = "generate"
+    device_process = True
+    """With a device process, the engine (the weights, the KV cache, detokenisation) runs there once, for every
+    worker; a worker (role ``host``) loads only the tokenizer and the config, to validate."""
     defaults: dict[str, Any] = {
         "max_new_tokens": 256,
         "max_sequences": 32,
@@ -105,12 +108,17 @@ class GenerateHandler(GenerativeHandler):
         self.max_new_tokens = positive_int(self.name, "max_new_tokens", options["max_new_tokens"])
         self.max_chars = positive_int(self.name, "max_chars", options["max_chars"])
         self.greedy = one_of(self.name, "decoding", options["decoding"], ("sample", "greedy")) == "greedy"
+        self.max_sequences = positive_int(self.name, "max_sequences", options["max_sequences"])
         dtype = DTYPES[one_of(self.name, "dtype", options["dtype"], DTYPES)]
         self.model_name = context.model.resolve().name
-        self.tokenizer, model = _load(context.model, dtype, context.device)
+        self.tokenizer = _load_tokenizer(context.model)
         self._template = _chat_template(self.tokenizer, context.model, options["chat_template"])
+        self.context_length = _context_length(context.model)
+        self._engine: _Engine | None = None
+        if context.role == "host":  # a worker beside a device process: it validates, the device process generates
+            return
+        model = _load_model(context.model, dtype, context.device)
         self.eos = _eos(self.tokenizer, model, context.model)
-        self.context_length = int(model.config.max_position_embeddings)
         self._backend = self.tokenizer.backend_tokenizer
         self._engine = _Engine.start(model, self._engine_config(options), self._generation_config())
         self._running: dict[str, _Sequence] = {}
@@ -119,7 +127,7 @@ class GenerateHandler(GenerativeHandler):
         self._lock = threading.Lock()
 
     def _engine_config(self, options: dict[str, Any]) -> ContinuousBatchingConfig:
-        self.max_sequences = sequences = positive_int(self.name, "max_sequences", options["max_sequences"])
+        sequences = self.max_sequences
         page = positive_int(self.name, "page_size", options["page_size"])
         tokens = options["kv_cache_tokens"] or sequences * self.context_length
         return ContinuousBatchingConfig(
@@ -162,6 +170,7 @@ class GenerateHandler(GenerativeHandler):
         return ids
 
     def submit(self, request_id: str, prompt: Prompt) -> None:
+        engine = self._live_engine
         with self._lock:
             if request_id in self._running:
                 raise RequestError(f"request {request_id} is already generating", ErrorCode.INTERNAL_ERROR)
@@ -171,7 +180,7 @@ class GenerateHandler(GenerativeHandler):
             "temperature": max(sampling.temperature, MIN_TEMPERATURE), "top_p": sampling.top_p}
         if not self.greedy and sampling.seed is not None:
             extra["seed"] = sampling.seed
-        if not self._engine.add(request_id, list(prompt.token_ids), sampling.max_tokens, extra):
+        if not engine.add(request_id, list(prompt.token_ids), sampling.max_tokens, extra):
             with self._lock:
                 del self._running[request_id]
             raise RequestError("the generation engine is not running", ErrorCode.INTERNAL_ERROR)
@@ -183,12 +192,12 @@ class GenerateHandler(GenerativeHandler):
                 return
             self._ended.append(Event(request_id, "cancelled", sequence.text, sequence.seen,
                                      len(sequence.prompt.token_ids), "cancelled"))
-        self._engine.cancel(request_id)
+        self._live_engine.cancel(request_id)
 
     # --- the drain thread
 
     def events(self, timeout_s: float) -> list[Event]:
-        outputs = self._engine.outputs(0.0 if self._ended else timeout_s)
+        outputs = self._live_engine.outputs(0.0 if self._ended else timeout_s)
         events: list[Event] = []
         with self._lock:
             events, self._ended = self._ended, []
@@ -218,7 +227,7 @@ class GenerateHandler(GenerativeHandler):
         if finished:
             del self._running[request_id]
             if stopped:
-                self._engine.cancel(request_id)
+                self._live_engine.cancel(request_id)
             reason = "stop" if stopped or (tokens and tokens[-1] in self.eos) else "length"
             events.append(Event(request_id, "final", sequence.text, sequence.seen, prompt_tokens, reason))
         return events
@@ -230,23 +239,30 @@ class GenerateHandler(GenerativeHandler):
 
     @property
     def kv_cache_use(self) -> float | None:
-        return self._engine.cache_use()
+        return None if self._engine is None else self._engine.cache_use()
+
+    @property
+    def _live_engine(self) -> _Engine:
+        if self._engine is None:
+            raise RequestError("this worker's generate handler validates only: its engine runs in the device process",
+                               ErrorCode.INTERNAL_ERROR)
+        return self._engine
 
     def describe(self) -> dict[str, str]:
         return {"handler": self.name, "model": self.model_name, "engine": "transformers-continuous-batching",
                 "decoding": "greedy" if self.greedy else "sample"}
 
     def close(self) -> None:
-        self._engine.stop()
+        if self._engine is not None:
+            self._engine.stop()
 
 
-def _load(model_dir: Path, dtype: torch.dtype, device: str) -> tuple[Any, Any]:
+def _load_tokenizer(model_dir: Path) -> Any:
     check_model_dir(GenerateHandler.name, model_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
     except Exception as exc:  # whatever fails while loading, the service cannot start
-        raise HandlerLoadError(f"generate: cannot load a causal LM from {model_dir}: {exc}") from exc
+        raise HandlerLoadError(f"generate: cannot load the tokenizer of {model_dir}: {exc}") from exc
     if not getattr(tokenizer, "is_fast", False):
         raise HandlerLoadError(f"generate: the tokenizer in {model_dir} has no fast (Rust) version, which "
                                "incremental detokenisation needs: save its tokenizer.json")
@@ -254,7 +270,23 @@ def _load(model_dir: Path, dtype: torch.dtype, device: str) -> tuple[Any, Any]:
         raise HandlerLoadError(f"generate: the tokenizer in {model_dir} has neither a pad token nor an end-of-sequence "
                                "token: set them and save it (tokenizer.eos_token = ...; tokenizer.pad_token = "
                                "tokenizer.eos_token; tokenizer.save_pretrained(DIR))")
-    return tokenizer, model.eval().to(device)
+    return tokenizer
+
+
+def _context_length(model_dir: Path) -> int:
+    try:
+        return int(AutoConfig.from_pretrained(model_dir, local_files_only=True).max_position_embeddings)
+    except Exception as exc:  # a config without a context length cannot bound a prompt
+        raise HandlerLoadError(f"generate: cannot read the context length from {model_dir}/config.json: "
+                               f"{exc}") from exc
+
+
+def _load_model(model_dir: Path, dtype: torch.dtype, device: str) -> Any:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
+    except Exception as exc:  # whatever fails while loading, the service cannot start
+        raise HandlerLoadError(f"generate: cannot load a causal LM from {model_dir}: {exc}") from exc
+    return model.eval().to(device)
 
 
 def _chat_template(tokenizer: Any, model_dir: Path, path: str | None) -> str | None:

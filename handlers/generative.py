@@ -14,17 +14,24 @@ plain data only, so that the engine can run in this process or, later, in a devi
 
 Every submitted request ends with exactly one terminal event (``final``, ``error`` or ``cancelled``), after its
 ``delta`` events. ``submit`` of an id already running is an error of the caller (ids are unique per attempt).
+
+With a device process (``--device-process``), the engine runs there once for every worker: the device process sets
+the handler up with role ``device`` and drives it through these same calls, and each worker drives a link to it
+(``consumer/engine_link.py``) that implements them too. The link adds one terminal event of its own, ``lost``: the
+device process that held the request died, and the service generates it again under a new attempt.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from kinference.handlers.base import Handler
 
-EventKind = Literal["delta", "final", "error", "cancelled"]
+EventKind = Literal["delta", "final", "error", "cancelled", "lost"]
+TERMINAL: frozenset[str] = frozenset({"final", "error", "cancelled", "lost"})
+"""The kinds that end a request's events."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +66,26 @@ class Event:
     kind: EventKind
     text: str = ""
     """``delta``: the text since the previous delta; ``final``: the whole text; ``error``: why; ``cancelled``: the
-    text so far."""
+    text so far; ``lost``: nothing (the link's own: the engine that held the request is gone)."""
     completion_tokens: int = 0
     """Tokens generated so far."""
     prompt_tokens: int = 0
     finish_reason: str | None = None
     """``final`` only: ``stop`` (end of sequence or a stop string) or ``length`` (``max_tokens``)."""
+
+
+class GenerativePort(Protocol):
+    """What the service drives: a ``GenerativeHandler`` in this process, or the link to its engine in the device
+    process."""
+
+    def submit(self, request_id: str, prompt: Prompt) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def events(self, timeout_s: float) -> list[Event]: ...
+
+    @property
+    def kv_cache_use(self) -> float | None: ...
 
 
 class GenerativeHandler(Handler):

@@ -45,6 +45,11 @@ class ScriptedEngine(GenerativeHandler):
         if final:
             self._events.put(Event(request_id, "final", self._text.pop(request_id), tokens, 3, "stop"))
 
+    def lose(self, request_id: str) -> None:
+        """What the device process's link says of a request when its device process died: ``lost``."""
+        self._text.pop(request_id)
+        self._events.put(Event(request_id, "lost"))
+
     def events(self, timeout_s: float) -> list[Event]:
         try:
             events = [self._events.get(timeout=timeout_s)]
@@ -216,6 +221,56 @@ def test_a_cancel_stops_a_running_generation_and_ends_a_waiting_one(engine: Scri
         choice = orjson.loads(req.reply_value)["choices"][0]
         assert (choice["finish_reason"], choice["message"]["content"]) == ("cancelled", text)
     assert other not in outbox.answered and len(engine.submitted) == 2  # the other took the freed place
+
+
+def test_a_lost_generation_is_generated_again_under_a_new_attempt_first_in_line(engine: ScriptedEngine) -> None:
+    outbox = Outbox()
+    gens = generations(engine, outbox, max_sequences=1)
+    lost, waiting = request(), request()
+    gens.put(lost)
+    gens.put(waiting)
+    gens.start()
+    try:
+        engine.step(engine.submitted[0], "old")
+        assert wait_for(lambda: len(outbox.chunks) == 1)
+        engine.lose(engine.submitted[0])
+        # Its place is its own again, before the request that waited: the same request, a new attempt.
+        assert wait_for(lambda: len(engine.submitted) == 2)
+        assert engine.submitted[1].startswith(f"{lost.correlation_id}#") and engine.submitted[1] != engine.submitted[0]
+        engine.step(engine.submitted[1], "new", final=True)
+        assert wait_for(lambda: len(outbox.answered) == 1)
+    finally:
+        gens.stop(2.0)
+    first, second = (dict(chunk.headers) for chunk in outbox.chunks)
+    assert first[ATTEMPT] != second[ATTEMPT] and first[SEQUENCE] == second[SEQUENCE] == b"0"
+    assert outbox.answered == [lost] and orjson.loads(lost.reply_value)["choices"][0]["message"]["content"] == "new"
+    assert dict(lost.reply_format.value_headers)[ATTEMPT] == second[ATTEMPT]
+
+
+def test_a_lost_generation_that_was_cancelled_ends_cancelled_and_one_lost_too_often_fails(
+        engine: ScriptedEngine) -> None:
+    from kinference.consumer.generations import MAX_ATTEMPTS
+
+    outbox = Outbox()
+    gens = generations(engine, outbox)
+    cancelled, doomed = request(), request()
+    gens.put(cancelled)
+    gens.put(doomed)
+    gens.start()
+    try:
+        engine.step(engine.submitted[0], "so far")
+        gens.cancel(cancelled.correlation_id)  # the device process dies before its engine says it stopped
+        engine._events.put(Event(engine.submitted[0], "lost"))
+        for attempt in range(MAX_ATTEMPTS):
+            assert wait_for(lambda: len(engine.submitted) == 2 + attempt)  # noqa: B023 - waited for here
+            engine.lose(engine.submitted[-1])
+        assert wait_for(lambda: len(outbox.answered) == 2)
+    finally:
+        gens.stop(2.0)
+    choice = orjson.loads(cancelled.reply_value)["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("cancelled", "so far")
+    assert doomed.error is not None and doomed.dead_letter and f"lost {MAX_ATTEMPTS} times" in doomed.error.message
+    assert len(engine.submitted) == 1 + MAX_ATTEMPTS
 
 
 def test_read_cancel() -> None:

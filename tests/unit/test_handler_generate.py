@@ -77,6 +77,23 @@ def test_continuous_batching_decodes_as_generate_does(greedy: GenerateHandler, l
         assert final.prompt_tokens == len(prompt.token_ids)
 
 
+def test_the_host_side_validates_as_the_engine_side_does_and_loads_no_model(greedy: GenerateHandler,
+                                                                          lm_dir: Path) -> None:
+    """Beside a device process a worker sets the handler up as ``host``: the tokenizer and the config, to validate;
+    the weights and the engine are the device process's."""
+    host = load_handler("generate")
+    host.setup(HandlerContext(device="cpu", model=lm_dir, options={"decoding": "greedy", "max_new_tokens": 24,
+                                                                   "max_sequences": 5}, role="host"))
+    assert type(host).device_process and host._engine is None and host.max_sequences == 5
+    for body in ({"prompt": "the cat sat", "max_tokens": 100}, {"messages": [{"role": "user", "content": "hi"}]}):
+        assert host.validate(body) == greedy.validate(body)
+    with pytest.raises(InvalidInput, match="context"):
+        host.validate({"prompt": "cat " * 300})
+    with pytest.raises(Exception, match="runs in the device process"):
+        host.submit("r", greedy.validate({"prompt": "x"}))
+    host.close()
+
+
 def test_chat_messages_go_through_the_template(greedy: GenerateHandler) -> None:
     prompt = greedy.validate({"messages": [{"role": "user", "content": "hello"}], "stream": True})
     text = greedy.tokenizer.decode(prompt.token_ids)
