@@ -2,17 +2,31 @@
 
 Read the modules in that order to follow a request through the service (README.md: How a request flows):
 
-- ``source``      the poll thread: fetches records, commits, pauses and resumes partitions,
-- ``intake``      tracks each record in the commit ledger, decodes it, admits and routes it,
-- ``request``     turns a record into a ``Request`` value (routing headers, model, payload),
-- ``models``      the served models: admission by the model's handler, then its batcher,
-- ``batcher``     groups waiting requests into batches (``adaptive``, ``greedy`` or ``static`` policy),
-- ``stages``      runs preprocess / inference / postprocess thread pools over micro-batches,
-- ``publisher``   produces each request's answer (``answers``: reply and dead-letter records),
-- ``at_least_once`` or ``exactly_once``: the delivery mode, which says what is produced when and when a request is
-  answered for good: handed to the commit ledger (``commit``) whose offsets the source commits, or committed with
-  its offsets in a transaction.
+- ``path.source``      the poll thread: fetches records, commits, pauses and resumes partitions,
+- ``path.intake``      tracks each record in the commit ledger, decodes it, admits and routes it,
+- ``path.request``     turns a record into a ``Request`` value (routing headers, model, payload),
+- ``path.models``      the served models: admission by the model's handler, then its batcher,
+- ``path.batcher``     groups waiting requests into batches (``adaptive``, ``greedy`` or ``static`` policy),
+- ``path.stages``      runs preprocess / inference / postprocess thread pools over micro-batches,
+- ``delivery.publisher``  produces each request's answer (``path.answers``: reply and dead-letter records),
+- ``delivery.at_least_once`` or ``delivery.exactly_once``: the delivery mode, which says what is produced when and
+  when a request is answered for good: handed to the commit ledger (``delivery.commit``) whose offsets the source
+  commits, or committed with its offsets in a transaction.
 
-``service`` wires them together (``Service._build``) and owns start and stop; ``types`` holds the small shared
-types; ``config`` the one config object; ``kinference.protocol`` is the wire format.
+The subpackages:
+
+- ``path``         the request path above, from the poll to the stages, with what it consults on the way (flow
+  control, the byte budget, admission, routing, rebalances, share groups, a generative model's ``generations``);
+- ``delivery``     from a finished request to a durable answer: the publisher, the two delivery modes, the commit
+  ledger, the member's transactional slot, which reply topics exist;
+- ``wire``         request values other than kinference's own JSON, and the bounds every value is read within:
+  the Open Inference Protocol, Schema Registry formats, ``jsonscan``, ``schemabounds``;
+- ``accelerator``  one device process per GPU and the workers' links to it (batches, a generative engine), the
+  shared memory between them, the start-up calibration;
+- ``ops``          what operators run and watch: the CLI, the ``--workers`` supervisor, the HTTP endpoints, metrics,
+  logs, lag, tracing, topic creation;
+- ``brokers``      the local brokers of tests, benchmarks and ``make demo`` (embedded Tansu, Apache Kafka).
+
+``service`` wires the path and delivery together (``Service._build``) and owns start and stop; ``types`` holds the
+small shared types; ``config`` the one config object; ``kinference.protocol`` is the wire format.
 """

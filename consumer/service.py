@@ -25,31 +25,31 @@ from typing import TYPE_CHECKING
 
 from confluent_kafka import KafkaException
 
-from kinference.consumer.at_least_once import AtLeastOnce, OffsetCommits
-from kinference.consumer.commit import OffsetTracker
+from kinference.consumer.accelerator.device_link import DeviceLink
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.control import ControlReader
-from kinference.consumer.device_link import DeviceLink
-from kinference.consumer.endpoints import Endpoints, EndpointSettings
-from kinference.consumer.exactly_once import ExactlyOnce
-from kinference.consumer.intake import Intake
-from kinference.consumer.lag import LagMonitor
-from kinference.consumer.member_slot import MemberSlot
-from kinference.consumer.metrics import Metrics
-from kinference.consumer.models import Models
-from kinference.consumer.publisher import Publisher, PublishSettings
-from kinference.consumer.request import RequestDecoder
-from kinference.consumer.share import ShareLedger, ShareSource, set_share_group_start
-from kinference.consumer.source import MemberSource, Source
-from kinference.consumer.topic_metadata import ExistingTopics
+from kinference.consumer.delivery.at_least_once import AtLeastOnce, OffsetCommits
+from kinference.consumer.delivery.commit import OffsetTracker
+from kinference.consumer.delivery.exactly_once import ExactlyOnce
+from kinference.consumer.delivery.member_slot import MemberSlot
+from kinference.consumer.delivery.publisher import Publisher, PublishSettings
+from kinference.consumer.delivery.topic_metadata import ExistingTopics
+from kinference.consumer.ops.endpoints import Endpoints, EndpointSettings
+from kinference.consumer.ops.lag import LagMonitor
+from kinference.consumer.ops.metrics import Metrics
+from kinference.consumer.path.control import ControlReader
+from kinference.consumer.path.intake import Intake
+from kinference.consumer.path.models import Models
+from kinference.consumer.path.request import RequestDecoder
+from kinference.consumer.path.share import ShareLedger, ShareSource, set_share_group_start
+from kinference.consumer.path.source import MemberSource, Source
 from kinference.errors import ConfigError
 from kinference.handlers import Handler
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from kinference.consumer.serdes import SchemaRegistryFormat
-    from kinference.consumer.tracing import Tracing
+    from kinference.consumer.ops.tracing import Tracing
+    from kinference.consumer.wire.serdes import SchemaRegistryFormat
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class Service:
         if config.value_format == "json":
             return None
         try:
-            from kinference.consumer.serdes import SchemaRegistryFormat
+            from kinference.consumer.wire.serdes import SchemaRegistryFormat
         except ImportError as exc:
             raise ConfigError(f"--value-format {config.value_format} needs the Schema Registry client: pip install "
                               f"'kinference[schema-registry]' ({exc})") from exc
@@ -230,7 +230,7 @@ class Service:
         if not config.tracing:
             return None
         try:
-            from kinference.consumer.tracing import Tracing
+            from kinference.consumer.ops.tracing import Tracing
         except ImportError as exc:
             raise ConfigError(f"--tracing needs OpenTelemetry: pip install 'kinference[otel]' ({exc})") from exc
         return Tracing.open(config.group_id, self._tracer_provider)

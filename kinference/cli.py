@@ -26,12 +26,12 @@ class Command:
 
 
 COMMANDS = {
-    "serve": Command("kinference.consumer.cli", "serve", "run the inference service", takes_name=True),
-    "topics": Command("kinference.consumer.cli", "serve",
+    "serve": Command("kinference.consumer.ops.cli", "serve", "run the inference service", takes_name=True),
+    "topics": Command("kinference.consumer.ops.cli", "serve",
                       "create the service's topics, with the same Kafka settings as serve", takes_name=True),
-    "healthcheck": Command("kinference.consumer.cli", "serve",
+    "healthcheck": Command("kinference.consumer.ops.cli", "serve",
                            "probe /healthz of a running serve (the container health check)", takes_name=True),
-    "broker": Command("kinference.consumer.cli", "serve,embedded",
+    "broker": Command("kinference.consumer.ops.cli", "serve,embedded",
                       "run the embedded Tansu broker for local development", takes_name=True),
     "loadgen": Command("kinference.loadgen.cli", "loadgen", "drive load at a running service and report"),
     "demo": Command("kinference.loadgen.demo", "serve,loadgen,embedded",

@@ -73,7 +73,7 @@ class Client:
     At most ``max_pending`` requests await replies at once: beyond that ``send`` waits for room
     (within the request's timeout) and then raises ``TooManyPending``. ``kafka`` goes to the client's
     producer and consumer (security, SASL), ``reply_consumer`` to its consumer only (on the embedded broker:
-    ``fetch.wait.max.ms=10``, see ``kinference.consumer.broker.LOW_LATENCY_CONSUMER``).
+    ``fetch.wait.max.ms=10``, see ``kinference.consumer.brokers.broker.LOW_LATENCY_CONSUMER``).
     """
 
     def __init__(  # noqa: PLR0913 - public API (docs/client.md): keyword-only options, each with a default

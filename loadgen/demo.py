@@ -10,10 +10,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
+from kinference.consumer.brokers.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import Service
-from kinference.consumer.topics import create_topics
 from kinference.errors import KinferenceError
 from kinference.loadgen.cli import Reporting, concurrency_list, execute
 from kinference.loadgen.client import Client

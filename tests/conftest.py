@@ -2,7 +2,7 @@
 
 ``KINFERENCE_TEST_BROKER`` picks the broker:
 - ``tansu`` (default): the embedded Tansu broker, pip-only.
-- ``kafka``: Apache Kafka 4.x in KRaft mode, from Maven Central (``kinference.consumer.apache_kafka``): needs a
+- ``kafka``: Apache Kafka 4.x in KRaft mode, from Maven Central (``kinference.consumer.brokers.apache_kafka``): needs a
   JDK 17+ and Maven, else the tests that need a broker skip and say why.
 - ``kafka-docker``: Apache Kafka in the image that deploy/docker-compose.yml runs, started by testcontainers
   (needs a Docker engine).
@@ -24,8 +24,8 @@ import yaml
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker, free_port
-from kinference.consumer.topics import create_topics
+from kinference.consumer.brokers.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker, free_port
+from kinference.consumer.ops.topics import create_topics
 from kinference.errors import BrokerError
 
 BROKER_KIND = os.environ.get("KINFERENCE_TEST_BROKER", "tansu")
@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def broker() -> Iterator[TestBroker]:
     if BROKER_KIND == "kafka":
-        from kinference.consumer.apache_kafka import ApacheKafkaBroker, broker_jars
+        from kinference.consumer.brokers.apache_kafka import ApacheKafkaBroker, broker_jars
 
         try:
             broker_jars()

@@ -17,8 +17,8 @@ from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from kinference.consumer.request import RequestDecoder
-from kinference.consumer.serdes import SchemaRegistryFormat
+from kinference.consumer.path.request import RequestDecoder
+from kinference.consumer.wire.serdes import SchemaRegistryFormat
 from tests.fakes import FakeRecord
 
 CONTEXT = SerializationContext("requests", MessageField.VALUE)

@@ -13,7 +13,7 @@ from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, Proto
 from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 
-from kinference.consumer.serdes import ProtobufReply
+from kinference.consumer.wire.serdes import ProtobufReply
 
 AVRO_TEXT = orjson.dumps({"type": "record", "name": "TextRequest", "namespace": "shop",
                           "fields": [{"name": "text", "type": "string"}]}).decode()

@@ -32,7 +32,7 @@ from confluent_kafka.admin import (
     UserScramCredentialUpsertion,
 )
 
-from kinference.consumer.apache_kafka import ApacheKafkaBroker
+from kinference.consumer.brokers.apache_kafka import ApacheKafkaBroker
 from tests.certificates import CertificateAuthority
 
 ADMIN = "admin"

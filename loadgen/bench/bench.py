@@ -39,10 +39,10 @@ import numpy as np
 from pydantic import ValidationError
 from rich.console import Console
 
-from kinference.consumer.broker import BROKER_KINDS, LOW_LATENCY_CONSUMER, local_broker
+from kinference.consumer.brokers.broker import BROKER_KINDS, LOW_LATENCY_CONSUMER, local_broker
 from kinference.consumer.config import Batching, ServiceConfig
+from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import resolve_device
-from kinference.consumer.topics import create_topics
 from kinference.handlers import HandlerContext, load_handler
 from kinference.loadgen.bench.baselines import (
     STATIC_DELAY_MS,

@@ -57,10 +57,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kinference.consumer.broker import BROKER_KINDS, LOW_LATENCY_CONSUMER, local_broker
+from kinference.consumer.brokers.broker import BROKER_KINDS, LOW_LATENCY_CONSUMER, local_broker
+from kinference.consumer.ops.supervisor import Supervisor, member_argv
+from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import Service, resolve_device
-from kinference.consumer.supervisor import Supervisor, member_argv
-from kinference.consumer.topics import create_topics
 from kinference.handlers import HandlerContext, load_handler
 from kinference.loadgen.bench.baselines import CommittingRelay, LoopThread
 from kinference.loadgen.bench.ceiling import measure_ceiling
@@ -465,27 +465,27 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     (WAITING, "threading.py", frozenset({"wait", "acquire"})),
     (WAITING, "queue.py", frozenset({"get", "put"})),
     ("poll: tokenise", "handlers/text.py", frozenset({"validate", "validate_many", "_item", "cost"})),
-    ("poll: admission", "consumer/admission.py", None),
-    ("poll: decode", "consumer/request.py", frozenset({"decode"})),
-    ("poll: track", "consumer/commit.py", frozenset({"track", "passed", "pass_to"})),
-    ("poll: batcher put", "consumer/batcher.py", frozenset({"put"})),
-    ("poll: consume", "consumer/source.py", frozenset({"_fetch"})),
-    ("poll: other", "consumer/source.py", None),
-    ("poll: other", "consumer/intake.py", None),
-    ("commit", "consumer/commit.py", None),
-    ("batcher", "consumer/batcher.py", None),
-    ("preprocess", "consumer/stages.py", frozenset({"_preprocess"})),
-    ("inference", "consumer/stages.py", frozenset({"_inference"})),
-    ("postprocess + encode", "consumer/stages.py", frozenset({"_postprocess"})),
-    ("stages: other", "consumer/stages.py", None),
-    ("publish: delivery reports", "consumer/publisher.py", frozenset({"_on_delivery", "_refused"})),
-    ("publish: delivery reports", "consumer/at_least_once.py", frozenset({"delivered", "refused", "_settle"})),
-    ("commit", "consumer/at_least_once.py", frozenset({"turn", "commit", "on_commit", "_accepted"})),
-    ("commit", "consumer/exactly_once.py", None),
-    ("publish: build records", "consumer/answers.py", None),
-    ("publish: produce", "consumer/publisher.py", None),
-    ("publish: produce", "consumer/at_least_once.py", None),
-    ("lag", "consumer/lag.py", None),
+    ("poll: admission", "consumer/path/admission.py", None),
+    ("poll: decode", "consumer/path/request.py", frozenset({"decode"})),
+    ("poll: track", "consumer/delivery/commit.py", frozenset({"track", "passed", "pass_to"})),
+    ("poll: batcher put", "consumer/path/batcher.py", frozenset({"put"})),
+    ("poll: consume", "consumer/path/source.py", frozenset({"_fetch"})),
+    ("poll: other", "consumer/path/source.py", None),
+    ("poll: other", "consumer/path/intake.py", None),
+    ("commit", "consumer/delivery/commit.py", None),
+    ("batcher", "consumer/path/batcher.py", None),
+    ("preprocess", "consumer/path/stages.py", frozenset({"_preprocess"})),
+    ("inference", "consumer/path/stages.py", frozenset({"_inference"})),
+    ("postprocess + encode", "consumer/path/stages.py", frozenset({"_postprocess"})),
+    ("stages: other", "consumer/path/stages.py", None),
+    ("publish: delivery reports", "consumer/delivery/publisher.py", frozenset({"_on_delivery", "_refused"})),
+    ("publish: delivery reports", "consumer/delivery/at_least_once.py", frozenset({"delivered", "refused", "_settle"})),
+    ("commit", "consumer/delivery/at_least_once.py", frozenset({"turn", "commit", "on_commit", "_accepted"})),
+    ("commit", "consumer/delivery/exactly_once.py", None),
+    ("publish: build records", "consumer/path/answers.py", None),
+    ("publish: produce", "consumer/delivery/publisher.py", None),
+    ("publish: produce", "consumer/delivery/at_least_once.py", None),
+    ("lag", "consumer/ops/lag.py", None),
     ("relay", "loadgen/bench/baselines.py", None),
 )
 

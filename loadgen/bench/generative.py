@@ -51,8 +51,8 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
-from kinference.consumer.broker import LOW_LATENCY_CONSUMER, local_broker
-from kinference.consumer.topics import create_topics
+from kinference.consumer.brokers.broker import LOW_LATENCY_CONSUMER, local_broker
+from kinference.consumer.ops.topics import create_topics
 from kinference.loadgen.bench.command import measured, parse_options
 from kinference.loadgen.bench.contender import contender
 from kinference.loadgen.bench.machine import loadavg, machine

@@ -57,9 +57,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from transformers import AutoModel, AutoTokenizer
 
-from kinference.consumer.broker import EmbeddedBroker, free_port
+from kinference.consumer.brokers.broker import EmbeddedBroker, free_port
+from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import resolve_device
-from kinference.consumer.topics import create_topics
 from kinference.errors import KinferenceError
 from kinference.handlers import HandlerContext, load_handler
 from kinference.handlers.text import DTYPES, TextHandler

@@ -59,8 +59,8 @@ from PIL import Image, ImageDraw
 from rich.console import Console
 from torch import nn
 
-from kinference.consumer.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
-from kinference.consumer.topics import create_topics
+from kinference.consumer.brokers.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
+from kinference.consumer.ops.topics import create_topics
 from kinference.handlers import Handler, HandlerContext, load_handler
 from kinference.loadgen.bench.baselines import STATIC_DELAY_MS, Answer, LoopThread, StaticBatchLoop
 from kinference.loadgen.bench.command import measured, parse_options

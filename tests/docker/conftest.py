@@ -46,7 +46,7 @@ def prometheus_image() -> str:
 @pytest.fixture(scope="session")
 def kafka_jars() -> None:
     """Apache Kafka's jars (Maven Central): the test broker and the Kafka stand-in both run them."""
-    from kinference.consumer.apache_kafka import broker_jars
+    from kinference.consumer.brokers.apache_kafka import broker_jars
 
     try:
         broker_jars()

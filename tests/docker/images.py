@@ -8,7 +8,7 @@ Docker Hub cannot be reached from the test machines, so none of deploy/'s public
   downloads nothing.
 - ``kinference_image``: deploy/Dockerfile itself, on that base, with those wheels.
 - ``kafka_image`` and ``prometheus_image``: stand-ins for ``apache/kafka`` and ``prom/prometheus`` built from
-  the same software: the Apache Kafka jars from Maven Central that ``kinference.consumer.apache_kafka`` runs,
+  the same software: the Apache Kafka jars from Maven Central that ``kinference.consumer.brokers.apache_kafka`` runs,
   and Debian's prometheus package. They keep the public images' layout where compose relies on it (Kafka's
   ``KAFKA_*`` variables and ``/opt/kafka/bin/kafka-broker-api-versions.sh``, Prometheus' entrypoint).
 
@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kinference.consumer.apache_kafka import broker_jars, kafka_version
+from kinference.consumer.brokers.apache_kafka import broker_jars, kafka_version
 
 ROOT = Path(__file__).parents[2]
 HERE = Path(__file__).parent

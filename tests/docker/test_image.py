@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kinference.consumer.apache_kafka import ApacheKafkaBroker
-from kinference.consumer.broker import free_port
-from kinference.consumer.topics import create_topics
+from kinference.consumer.brokers.apache_kafka import ApacheKafkaBroker
+from kinference.consumer.brokers.broker import free_port
+from kinference.consumer.ops.topics import create_topics
 from tests.docker.conftest import wait_healthy
 
 # The images are built in the first test's fixtures when they are not there yet (minutes: images.py).

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kinference.consumer.broker import free_port
+from kinference.consumer.brokers.broker import free_port
 from tests.docker import images
 from tests.docker.conftest import wait_healthy
 

@@ -17,10 +17,10 @@ import orjson
 import pytest
 
 from kinference import protocol
-from kinference.consumer.broker import EmbeddedBroker, free_port
+from kinference.consumer.brokers.broker import EmbeddedBroker, free_port
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import Service
-from kinference.consumer.topics import create_topics
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, headers_of, produce, read
 from tests.processes import stop, until_answering

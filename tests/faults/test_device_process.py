@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from kinference import protocol
-from kinference.consumer.broker import free_port
+from kinference.consumer.brokers.broker import free_port
 from kinference.loadgen.stream import Stream
 from tests.faults.harness import Member, client_for, read_all
 from tests.faults.test_workers import get, sample, wait_until

@@ -17,9 +17,9 @@ import orjson
 import pytest
 
 from kinference import protocol
-from kinference.consumer.broker import EmbeddedBroker, free_port
+from kinference.consumer.brokers.broker import EmbeddedBroker, free_port
+from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import Service
-from kinference.consumer.topics import create_topics
 from tests.integration.kafka_io import committed, headers_of, produce, read, service_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -89,7 +89,7 @@ def test_a_transaction_call_that_times_out_is_repeated_not_aborted(caplog):
     transactional call: ``commit_transaction`` (or ``send_offsets_to_transaction``) fails with a retriable
     timeout and is made again, as librdkafka's contract says, instead of aborting. After SIGCONT every request is
     answered once and committed, and no transaction was aborted."""
-    caplog.set_level(logging.WARNING, logger="kinference.consumer.exactly_once")
+    caplog.set_level(logging.WARNING, logger="kinference.consumer.delivery.exactly_once")
     port = free_port()
     bootstrap = f"127.0.0.1:{port}"
     broker = EmbeddedBroker(port=port).start()

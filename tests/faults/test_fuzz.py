@@ -25,7 +25,7 @@ import orjson
 import pytest
 
 from kinference import protocol
-from kinference.consumer import request as requests
+from kinference.consumer.path import request as requests
 from kinference.consumer.service import Service
 from kinference.protocol import ErrorCode
 from tests.fakes import FakeRecord

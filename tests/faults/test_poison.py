@@ -362,7 +362,7 @@ def test_on_a_broker_that_auto_creates_topics_requests_create_none():
     requests. Each gets reply_topic_not_found now, and no topic is made."""
     if conftest.BROKER_KIND != "kafka":
         pytest.skip("starts an Apache Kafka broker that auto-creates topics: KINFERENCE_TEST_BROKER=kafka")
-    from kinference.consumer.apache_kafka import ApacheKafkaBroker
+    from kinference.consumer.brokers.apache_kafka import ApacheKafkaBroker
 
     with ApacheKafkaBroker(properties={"auto.create.topics.enable": "true"}) as kafka:
         auto = conftest.TestBroker(kafka.bootstrap_servers, "kafka")

@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from kinference import protocol
-from kinference.consumer.broker import free_port
+from kinference.consumer.brokers.broker import free_port
 from tests.faults.harness import Member, client_for
 from tests.integration.kafka_io import headers_of, produce, read
 

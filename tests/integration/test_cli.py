@@ -13,7 +13,7 @@ import orjson
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from kinference.consumer.broker import free_port
+from kinference.consumer.brokers.broker import free_port
 from kinference.consumer.config import ServiceConfig
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import committed, produce, read

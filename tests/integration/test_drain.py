@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from kinference.consumer.apache_kafka import broker_jars
+from kinference.consumer.brokers.apache_kafka import broker_jars
 from kinference.errors import BrokerError
 from kinference.loadgen.bench import drain
 

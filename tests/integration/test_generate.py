@@ -112,7 +112,7 @@ def test_client_stream_yields_the_deltas_in_order_and_the_completion(broker, tmp
 
 def test_the_control_reader_hands_over_each_cancel_from_every_partition(broker):
     """Cancels written after the reader started reach it from any partition; older ones are not replayed."""
-    from kinference.consumer.control import ControlReader
+    from kinference.consumer.path.control import ControlReader
 
     topics = broker.topics(requests=1, replies=1, dead=1, control=3)
     produce(broker.bootstrap_servers, topics["control"], [(None, b'{"cancel": "old"}', [])])

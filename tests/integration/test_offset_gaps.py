@@ -15,8 +15,8 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from kinference import protocol
+from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import Service
-from kinference.consumer.topics import create_topics
 from tests.integration.kafka_io import committed, headers_of, produce, read, service_config
 
 pytestmark = pytest.mark.integration

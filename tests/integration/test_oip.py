@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from kinference import protocol
-from kinference.consumer import oip
 from kinference.consumer.service import Service
+from kinference.consumer.wire import oip
 from tests.integration.kafka_io import headers_of, produce, read, service_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.model]

@@ -31,8 +31,8 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AclBinding, AclOperation, AdminClient, ResourcePatternType, ResourceType
 
 from kinference import Client, protocol
+from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import Service
-from kinference.consumer.topics import create_topics
 from kinference.errors import BrokerError
 from tests.conftest import TEST_CONSUMER_PROPERTIES
 from tests.integration.kafka_io import headers_of, read, service_config
@@ -57,7 +57,7 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory) -> Iterator[SecuredKafka]:
-    from kinference.consumer.apache_kafka import broker_jars
+    from kinference.consumer.brokers.apache_kafka import broker_jars
 
     try:
         broker_jars()

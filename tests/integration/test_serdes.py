@@ -22,7 +22,7 @@ import yaml
 from confluent_kafka.schema_registry import SchemaRegistryClient
 
 from kinference import protocol
-from kinference.consumer.broker import free_port
+from kinference.consumer.brokers.broker import free_port
 from kinference.consumer.service import Service
 from tests.conftest import apache_kafka_container
 from tests.integration.kafka_io import headers_of, produce, read, service_config
@@ -145,7 +145,7 @@ def test_a_real_schema_registry():
     reason = _docker()
     if reason:
         pytest.skip(f"needs a Docker engine to run Confluent's Schema Registry ({SCHEMA_REGISTRY_IMAGE}): {reason}")
-    from kinference.consumer.topics import create_topics
+    from kinference.consumer.ops.topics import create_topics
 
     with apache_kafka_container() as bootstrap, schema_registry(bootstrap) as url:
         topics = {role: f"{role}-{uuid.uuid4().hex[:10]}" for role in ("requests", "replies", "dead")}

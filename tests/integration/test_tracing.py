@@ -10,8 +10,8 @@ pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.trace import SpanKind, StatusCode
 
 from kinference import protocol
+from kinference.consumer.ops.tracing import BATCH_SPAN, TRACEPARENT
 from kinference.consumer.service import Service
-from kinference.consumer.tracing import BATCH_SPAN, TRACEPARENT
 from tests.integration.kafka_io import headers_of, produce, read, service_config
 
 pytestmark = pytest.mark.integration

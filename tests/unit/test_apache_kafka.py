@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import uuid
 
-from kinference.consumer import apache_kafka
+from kinference.consumer.brokers import apache_kafka
 
 
 def test_a_cluster_id_never_starts_with_a_dash(monkeypatch):

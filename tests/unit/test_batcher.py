@@ -3,8 +3,8 @@ import time
 
 import pytest
 
-from kinference.consumer.batcher import Batcher
 from kinference.consumer.config import Batching
+from kinference.consumer.path.batcher import Batcher
 from tests.fakes import make_request
 
 

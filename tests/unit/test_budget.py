@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import orjson
 
-from kinference.consumer import jsonscan
-from kinference.consumer.budget import ByteBudget
-from kinference.consumer.flow import FlowControl
-from kinference.consumer.metrics import Metrics
-from kinference.consumer.request import RequestDecoder
+from kinference.consumer.ops.metrics import Metrics
+from kinference.consumer.path.budget import ByteBudget
+from kinference.consumer.path.flow import FlowControl
+from kinference.consumer.path.request import RequestDecoder
+from kinference.consumer.wire import jsonscan
 from tests.fakes import FakeRecord
 
 DECODER = RequestDecoder("replies", max_request_bytes=1_000_000, payload_format="json")

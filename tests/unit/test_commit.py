@@ -3,9 +3,9 @@ import threading
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from kinference.consumer.at_least_once import OffsetCommits
-from kinference.consumer.commit import OffsetTracker
-from kinference.consumer.metrics import Metrics
+from kinference.consumer.delivery.at_least_once import OffsetCommits
+from kinference.consumer.delivery.commit import OffsetTracker
+from kinference.consumer.ops.metrics import Metrics
 from tests.fakes import make_request
 
 P0 = ("requests", 0)

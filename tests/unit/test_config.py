@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from kinference.consumer.cli import build_parser
 from kinference.consumer.config import OPTIONS, ServiceConfig, load_config
+from kinference.consumer.ops.cli import build_parser
 from kinference.errors import ConfigError
 
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from kinference.consumer.cost import ArrivalRate, BatchCost
+from kinference.consumer.path.cost import ArrivalRate, BatchCost
 
 
 def test_batch_cost_recovers_fixed_and_per_unit_cost():

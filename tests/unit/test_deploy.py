@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kinference.consumer.cli import build_parser
 from kinference.consumer.config import ENV_PREFIX, OPTIONS, ServiceConfig, load_config
-from kinference.consumer.metrics import Metrics
+from kinference.consumer.ops.cli import build_parser
+from kinference.consumer.ops.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -13,10 +13,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kinference.consumer.arena import Arena, ArenaFull
-from kinference.consumer.calibration import Calibration, calibrate, worker_cap
-from kinference.consumer.device import DeviceBatching, DeviceMetrics, DeviceServer
-from kinference.consumer.device_link import DeviceError, DeviceLink, DeviceUnavailable
+from kinference.consumer.accelerator.arena import Arena, ArenaFull
+from kinference.consumer.accelerator.calibration import Calibration, calibrate, worker_cap
+from kinference.consumer.accelerator.device import DeviceBatching, DeviceMetrics, DeviceServer
+from kinference.consumer.accelerator.device_link import DeviceError, DeviceLink, DeviceUnavailable
 from kinference.handlers import Handler, HandlerContext
 from kinference.handlers.classification import TextClassificationHandler
 from kinference.handlers.text import TextBatch
@@ -225,15 +225,15 @@ def test_dtype_auto_keeps_float32_on_the_cpu_and_takes_half_precision_where_it_a
 
 
 def test_each_gpu_gets_its_own_device_process_and_a_named_device_is_kept() -> None:
-    from kinference.consumer.device_process import torch_device
+    from kinference.consumer.accelerator.device_process import torch_device
 
     assert [torch_device("cuda", index) for index in range(3)] == ["cuda:0", "cuda:1", "cuda:2"]
     assert torch_device("cuda:1", 0) == "cuda:1" and torch_device("cpu", 0) == "cpu"
 
 
 def test_the_plan_puts_a_device_process_where_asked_and_sizes_workers_only_with_one() -> None:
-    from kinference.consumer.cli import Plan, plan_processes
     from kinference.consumer.config import ServiceConfig
+    from kinference.consumer.ops.cli import Plan, plan_processes
     from kinference.errors import KinferenceError
 
     # On this CPU-only machine: auto means no device process, and one worker (one process, no supervisor).

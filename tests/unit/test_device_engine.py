@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kinference.consumer.device import DeviceBatching, DeviceMetrics, DeviceServer
-from kinference.consumer.device_engine import DeviceEngine
-from kinference.consumer.device_link import DeviceUnavailable
-from kinference.consumer.engine_link import FRAGMENT_BYTES, EngineLink
+from kinference.consumer.accelerator.device import DeviceBatching, DeviceMetrics, DeviceServer
+from kinference.consumer.accelerator.device_engine import DeviceEngine
+from kinference.consumer.accelerator.device_link import DeviceUnavailable
+from kinference.consumer.accelerator.engine_link import FRAGMENT_BYTES, EngineLink
 from kinference.handlers.generative import Event, Prompt, Sampling
 from tests.fakes import wait_for
 from tests.unit.test_generations import ScriptedEngine

@@ -95,7 +95,7 @@ NOT_OURS = {"--build-arg", "--scale", "--index-url", "--gpus", "--wait", "--rm",
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """Every kinference command's real parser, by the words that follow ``kinference``."""
-    from kinference.consumer.cli import build_parser as service
+    from kinference.consumer.ops.cli import build_parser as service
     from kinference.loadgen import demo
     from kinference.loadgen.bench import bench, cpu_paths, drain, generative, gpu, image
     from kinference.loadgen.cli import build_parser as loadgen
@@ -193,7 +193,7 @@ def _same_number(a: str, b: str) -> bool:
 def test_the_quick_start_against_the_embedded_broker_sets_what_it_needs():
     """README's broker quick start: `kinference broker`'s own port (not a local Kafka's 9092), and every consumer
     of it with fetch.wait.max.ms=10, as README says it needs."""
-    from kinference.consumer.broker import LOW_LATENCY_CONSUMER
+    from kinference.consumer.brokers.broker import LOW_LATENCY_CONSUMER
 
     readme = (ROOT / "README.md").read_text()
     (block,) = [block for block in code_blocks(readme, "bash") if "kinference broker" in block]
@@ -214,35 +214,44 @@ def test_the_quick_start_against_the_embedded_broker_sets_what_it_needs():
 
 # --- README's flow diagram -----------------------------------------------------------------------------
 
-_TRAVELLING = "request"
+_TRAVELLING = "path.request"
 """The value that travels through every stage: each stage may use its type."""
 
 
 def request_path() -> list[str]:
-    """The modules of README's flow diagram, top to bottom (its left column)."""
+    """The modules of README's flow diagram, top to bottom (its left column), as ``subpackage.module`` of
+    ``kinference.consumer``."""
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## How a request flows", 1)[1]
     (diagram,) = code_blocks(section)[:1]
-    return re.findall(r"^(?:request topics ──> |\s+)consumer/(\w+)\.py", diagram, re.M)
+    found = re.findall(r"^(?:request topics ──> |\s+)consumer/(\w+)/(\w+)\.py", diagram, re.M)
+    return [f"{package}.{module}" for package, module in found]
+
+
+def module_file(module: str) -> Path:
+    return ROOT / "consumer" / f"{module.replace('.', '/')}.py"
 
 
 def consumer_imports(module: str) -> set[str]:
-    """The ``kinference.consumer`` modules ``module`` imports, those under ``if TYPE_CHECKING`` too."""
-    tree = ast.parse((ROOT / "consumer" / f"{module}.py").read_text())
+    """The ``kinference.consumer`` modules ``module`` imports (as ``subpackage.module``), those under
+    ``if TYPE_CHECKING`` too."""
+    tree = ast.parse(module_file(module).read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kinference.consumer"):
-            names |= ({node.module.split(".")[2]} if node.module.count(".") >= 2
-                      else {alias.name for alias in node.names})
+            inside = node.module.removeprefix("kinference.consumer").lstrip(".")
+            names |= ({inside} if inside and module_file(inside).is_file()  # from a module: that module
+                      else {f"{inside}.{alias.name}".lstrip(".") for alias in node.names})
     return names
 
 
 def test_the_flow_diagram_follows_a_request_through_each_module_once_and_never_back():
     path = request_path()
-    assert path[:2] == ["source", "intake"] and path[-3:] == ["publisher", "at_least_once", "exactly_once"], path
+    assert path[:2] == ["path.source", "path.intake"], path
+    assert path[-3:] == ["delivery.publisher", "delivery.at_least_once", "delivery.exactly_once"], path
     assert len(path) == len(set(path)), f"a module comes twice: {path}"
     for module in path:
-        assert (ROOT / "consumer" / f"{module}.py").is_file(), module
+        assert module_file(module).is_file(), module
     for index, module in enumerate(path):
         back = (consumer_imports(module) & set(path[:index])) - {_TRAVELLING}
         assert not back, f"{module} reaches back to {sorted(back)}, before it on the request's path"
@@ -282,13 +291,14 @@ def test_the_service_wires_a_request_s_path_in_the_flow_diagram_s_order(delivery
     """Issue 30, item 5: imports alone miss a hop that an injected callable takes (a closure in the service, a
     protocol). Here each hop is an object the one before it holds, defined in the diagram's next module; the
     commits on the poll thread work on the ledger the intake tracks requests in."""
-    from kinference.consumer.at_least_once import OffsetCommits
+    from kinference.consumer.delivery.at_least_once import OffsetCommits
 
     service, publisher, source = built_service(delivery)
     try:
-        path = [module for module in request_path() if module not in {"at_least_once", "exactly_once"} - {mode}]
+        modes = {"delivery.at_least_once", "delivery.exactly_once"}
+        path = [module for module in request_path() if module not in modes - {f"delivery.{mode}"}]
         chain = handed_on(service, publisher, source)
-        modules = [type(obj).__module__.rsplit(".", 1)[-1] for _, obj in chain]
+        modules = [type(obj).__module__.removeprefix("kinference.consumer.") for _, obj in chain]
         assert modules == path, f"Service builds {modules}; the diagram says {path}"
         # The ledger the intake tracks each request in is the one the delivery mode hands it back to, answered, and
         # the one the poll thread commits from (exactly-once: the delivery mode is also the poll thread's commits).

@@ -8,28 +8,30 @@ ROOT = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982)"
 
 
 def test_a_sample_goes_to_its_innermost_known_stage():
-    poll = f"{ROOT};Source._run (consumer/source.py:123);Source._intake (consumer/source.py:169)"
-    assert stage_of(f"{poll};Source._take (consumer/source.py:176);RequestDecoder.decode (consumer/request.py:139)"
-                    .split(";")) == "poll: decode"
-    admission = f"{poll};Service._route (consumer/service.py:1);admit (consumer/admission.py:20)"
+    poll = f"{ROOT};Source._run (consumer/path/source.py:123);Source._intake (consumer/path/source.py:169)"
+    decode = f"{poll};Source._take (consumer/path/source.py:176);RequestDecoder.decode (consumer/path/request.py:139)"
+    assert stage_of(decode.split(";")) == "poll: decode"
+    admission = f"{poll};Service._route (consumer/service.py:1);admit (consumer/path/admission.py:20)"
     assert stage_of(f"{admission};TextHandler.validate (handlers/text.py:160)".split(";")) == "poll: tokenise"
     assert stage_of(admission.split(";")) == "poll: admission"
-    waiting = (f"{ROOT};StagePool._run (consumer/stages.py:171);Queue.get (queue.py:171);"
+    waiting = (f"{ROOT};StagePool._run (consumer/path/stages.py:171);Queue.get (queue.py:171);"
                "Condition.wait (threading.py:327)")
     assert stage_of(waiting.split(";")) == "waiting"
-    inference = f"{ROOT};StagePool._process (consumer/stages.py:186);Pipeline._inference (consumer/stages.py:305)"
+    inference = (f"{ROOT};StagePool._process (consumer/path/stages.py:186);"
+                 "Pipeline._inference (consumer/path/stages.py:305)")
     assert stage_of(f"{inference};Module._call_impl (torch/nn/modules/module.py:1)".split(";")) == "inference"
     assert stage_of([ROOT, "something (elsewhere.py:1)"]) == "other"
-    report = f"{ROOT};Publisher._run (consumer/publisher.py:1);Publisher._on_delivery (consumer/publisher.py:2)"
-    assert stage_of(f"{report};AtLeastOnce._settle (consumer/at_least_once.py:3)".split(";")) \
+    report = (f"{ROOT};Publisher._run (consumer/delivery/publisher.py:1);"
+              "Publisher._on_delivery (consumer/delivery/publisher.py:2)")
+    assert stage_of(f"{report};AtLeastOnce._settle (consumer/delivery/at_least_once.py:3)".split(";")) \
         == "publish: delivery reports"
-    assert stage_of(f"{poll};OffsetCommits.turn (consumer/at_least_once.py:4)".split(";")) == "commit"
+    assert stage_of(f"{poll};OffsetCommits.turn (consumer/delivery/at_least_once.py:4)".split(";")) == "commit"
 
 
 def test_a_profile_sums_samples_per_stage_and_leaves_waiting_out():
-    raw = (f"{ROOT};Pipeline._inference (consumer/stages.py:305) 30\n"
-           f"{ROOT};StagePool._run (consumer/stages.py:171);Queue.get (queue.py:171) 50\n"
-           f"{ROOT};Publisher._send (consumer/publisher.py:200) 10\n")
+    raw = (f"{ROOT};Pipeline._inference (consumer/path/stages.py:305) 30\n"
+           f"{ROOT};StagePool._run (consumer/path/stages.py:171);Queue.get (queue.py:171) 50\n"
+           f"{ROOT};Publisher._send (consumer/delivery/publisher.py:200) 10\n")
     profile = Profile(read_raw_profile(raw), rate_hz=100)
     summary = profile.summary(messages=1000)
     # 30 samples at 100 Hz over 1,000 messages: 300 thread-microseconds per message.

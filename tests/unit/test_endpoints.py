@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kinference.consumer.endpoints import Endpoints, EndpointSettings
+from kinference.consumer.ops.endpoints import Endpoints, EndpointSettings
 
 
 @contextlib.contextmanager

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kinference import protocol
-from kinference.consumer import answers
-from kinference.consumer import request as requests
+from kinference.consumer.path import answers
+from kinference.consumer.path import request as requests
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 from tests.fakes import FakeRecord

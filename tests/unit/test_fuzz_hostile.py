@@ -26,10 +26,10 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from kinference import protocol
-from kinference.consumer import oip
-from kinference.consumer.request import RequestDecoder
-from kinference.consumer.router import ModelRoute, Router
-from kinference.consumer.serdes import SchemaRegistryFormat
+from kinference.consumer.path.request import RequestDecoder
+from kinference.consumer.path.router import ModelRoute, Router
+from kinference.consumer.wire import oip
+from kinference.consumer.wire.serdes import SchemaRegistryFormat
 from kinference.errors import InvalidInput
 from kinference.handlers.image import ImageClassificationHandler
 from kinference.protocol import ErrorCode

@@ -1,4 +1,4 @@
-"""The Kafka side of generation (consumer/generations.py) against a scripted engine: admission caps per model and
+"""The Kafka side of generation (consumer/path/generations.py) against a scripted engine: admission caps per model and
 per partition, chunk coalescing, the final's chat.completion, deadlines, revokes, exactly-once without chunks."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 import orjson
 import pytest
 
-from kinference.consumer.generations import Generations, GenerationSettings, StreamChunk
-from kinference.consumer.metrics import Metrics
-from kinference.consumer.request import Request
+from kinference.consumer.ops.metrics import Metrics
+from kinference.consumer.path.generations import Generations, GenerationSettings, StreamChunk
+from kinference.consumer.path.request import Request
 from kinference.handlers.generative import Event, GenerativeHandler, Prompt, Sampling
 from kinference.protocol import ATTEMPT, EVENT, SEQUENCE
 from tests.fakes import make_request, wait_for
@@ -249,7 +249,7 @@ def test_a_lost_generation_is_generated_again_under_a_new_attempt_first_in_line(
 
 def test_a_lost_generation_that_was_cancelled_ends_cancelled_and_one_lost_too_often_fails(
         engine: ScriptedEngine) -> None:
-    from kinference.consumer.generations import MAX_ATTEMPTS
+    from kinference.consumer.path.generations import MAX_ATTEMPTS
 
     outbox = Outbox()
     gens = generations(engine, outbox)
@@ -274,7 +274,7 @@ def test_a_lost_generation_that_was_cancelled_ends_cancelled_and_one_lost_too_of
 
 
 def test_read_cancel() -> None:
-    from kinference.consumer.control import read_cancel
+    from kinference.consumer.path.control import read_cancel
 
     assert read_cancel(b'{"cancel": "abc"}') == "abc"
     for bad in (b"", b"nope", b'{"cancel": 3}', b'["abc"]', b'{"cancel": ""}'):

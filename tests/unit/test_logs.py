@@ -2,7 +2,7 @@ import logging
 
 import orjson
 
-from kinference.consumer.logs import JsonFormatter, TextFormatter, about
+from kinference.consumer.ops.logs import JsonFormatter, TextFormatter, about
 from tests.fakes import make_request
 
 

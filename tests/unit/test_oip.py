@@ -15,9 +15,9 @@ import numpy as np
 import orjson
 import pytest
 
-from kinference.consumer import oip
-from kinference.consumer.answers import reply_value
-from kinference.consumer.request import RequestDecoder
+from kinference.consumer.path.answers import reply_value
+from kinference.consumer.path.request import RequestDecoder
+from kinference.consumer.wire import oip
 from kinference.errors import RequestError
 from kinference.protocol import CORRELATION_ID, ErrorCode
 from tests.fakes import FakeRecord

@@ -6,9 +6,10 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from kinference import protocol
-from kinference.consumer import answers, jsonscan
-from kinference.consumer import request as requests
-from kinference.consumer.topic_metadata import ExistingTopics
+from kinference.consumer.delivery.topic_metadata import ExistingTopics
+from kinference.consumer.path import answers
+from kinference.consumer.path import request as requests
+from kinference.consumer.wire import jsonscan
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 from tests.fakes import FakeRecord

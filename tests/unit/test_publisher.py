@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import KafkaError, TopicPartition
 
-from kinference.consumer.at_least_once import AtLeastOnce
-from kinference.consumer.commit import OffsetTracker
-from kinference.consumer.exactly_once import ExactlyOnce
-from kinference.consumer.metrics import Metrics
-from kinference.consumer.publisher import Publisher, PublishSettings
+from kinference.consumer.delivery.at_least_once import AtLeastOnce
+from kinference.consumer.delivery.commit import OffsetTracker
+from kinference.consumer.delivery.exactly_once import ExactlyOnce
+from kinference.consumer.delivery.publisher import Publisher, PublishSettings
+from kinference.consumer.ops.metrics import Metrics
 from kinference.errors import RequestError
 from kinference.protocol import ERROR_CODE, ErrorCode, encode_result
 from tests.fakes import FakeProducer, make_request, wait_for

@@ -1,15 +1,15 @@
-"""Routing a record to one of several models (consumer/router.py), as the decoder applies it."""
+"""Routing a record to one of several models (consumer/path/router.py), as the decoder applies it."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from kinference.consumer import oip
-from kinference.consumer.answers import reply_headers
 from kinference.consumer.config import load_config
-from kinference.consumer.request import RequestDecoder
-from kinference.consumer.router import ModelRoute, Router
+from kinference.consumer.path.answers import reply_headers
+from kinference.consumer.path.request import RequestDecoder
+from kinference.consumer.path.router import ModelRoute, Router
+from kinference.consumer.wire import oip
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import MODEL, MODEL_VERSION, ErrorCode
 from tests.unit.test_protocol import FakeRecord

@@ -29,9 +29,9 @@ from google.protobuf import (
 )
 from google.protobuf.internal import type_checkers
 
-from kinference.consumer.request import RequestDecoder
-from kinference.consumer.schemabounds import TOO_DEEP, message_to_dict
-from kinference.consumer.serdes import SchemaRegistryFormat
+from kinference.consumer.path.request import RequestDecoder
+from kinference.consumer.wire.schemabounds import TOO_DEEP, message_to_dict
+from kinference.consumer.wire.serdes import SchemaRegistryFormat
 from kinference.errors import RequestError
 from kinference.protocol import MAX_JSON_DEPTH, ErrorCode
 from tests.fakes import FakeRecord

@@ -11,10 +11,10 @@ import orjson
 import pytest
 from confluent_kafka.schema_registry import SchemaRegistryClient
 
-from kinference.consumer.answers import reply_headers, reply_value
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.request import RequestDecoder
-from kinference.consumer.serdes import REPLY_NAME, SchemaRegistryFormat, embedding_bytes
+from kinference.consumer.path.answers import reply_headers, reply_value
+from kinference.consumer.path.request import RequestDecoder
+from kinference.consumer.wire.serdes import REPLY_NAME, SchemaRegistryFormat, embedding_bytes
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import REPLY_TO, ErrorCode
 from tests.fakes import FakeRecord

@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, TopicPartition
 
-from kinference.consumer.commit import OffsetTracker
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.exactly_once import ExactlyOnce
-from kinference.consumer.flow import FlowControl
-from kinference.consumer.intake import Intake
-from kinference.consumer.metrics import Metrics
-from kinference.consumer.request import RequestDecoder
-from kinference.consumer.source import Source
+from kinference.consumer.delivery.commit import OffsetTracker
+from kinference.consumer.delivery.exactly_once import ExactlyOnce
+from kinference.consumer.ops.metrics import Metrics
+from kinference.consumer.path.flow import FlowControl
+from kinference.consumer.path.intake import Intake
+from kinference.consumer.path.request import RequestDecoder
+from kinference.consumer.path.source import Source
 from tests.fakes import FakeModels, FakeRecord
 
 
@@ -206,7 +206,7 @@ def test_a_member_says_it_let_go_of_partitions_before_the_group_can_give_them_to
 
     consumer.unassign = noting_the_log(consumer.unassign)
     consumer.incremental_unassign = noting_the_log(consumer.incremental_unassign)
-    with caplog.at_level(logging.INFO, logger="kinference.consumer.rebalance"):
+    with caplog.at_level(logging.INFO, logger="kinference.consumer.path.rebalance"):
         getattr(source.rebalance, taken)(consumer, [tp(1)])
     assert len(logged_at_unassign) == 1 and line in logged_at_unassign[0]
 

@@ -7,12 +7,12 @@ import time
 import numpy as np
 import pytest
 
-from kinference.consumer import stages
-from kinference.consumer.admission import admit
-from kinference.consumer.batcher import Batcher
 from kinference.consumer.config import Batching, Parallelism
-from kinference.consumer.metrics import Metrics
-from kinference.consumer.stages import MAX_RESULT_DEPTH, ModelRun, Pipeline, _reply_value, finite
+from kinference.consumer.ops.metrics import Metrics
+from kinference.consumer.path import stages
+from kinference.consumer.path.admission import admit
+from kinference.consumer.path.batcher import Batcher
+from kinference.consumer.path.stages import MAX_RESULT_DEPTH, ModelRun, Pipeline, _reply_value, finite
 from kinference.errors import InvalidInput, RequestError
 from kinference.handlers.base import Handler
 from kinference.handlers.echo import EchoHandler

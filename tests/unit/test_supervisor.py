@@ -16,8 +16,8 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kinference.consumer.endpoints import Endpoints, EndpointSettings
-from kinference.consumer.supervisor import Member, Restarts, Supervisor
+from kinference.consumer.ops.endpoints import Endpoints, EndpointSettings
+from kinference.consumer.ops.supervisor import Member, Restarts, Supervisor
 from tests.fakes import wait_for
 
 # A worker that reports what its argv says and runs until SIGTERM (exit 0) or SIGINT (exit 5).
@@ -102,11 +102,11 @@ def test_a_worker_that_died_is_started_again(tmp_path: Path):
 _SUPERVISOR = """
 import sys
 from pathlib import Path
-from kinference.consumer.supervisor import Supervisor
+from kinference.consumer.ops.supervisor import Supervisor
 worker = '''
 import os, signal, sys, time
 from pathlib import Path
-from kinference.consumer.supervisor import die_with_supervisor
+from kinference.consumer.ops.supervisor import die_with_supervisor
 die_with_supervisor()
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 Path(sys.argv[1]).with_suffix(".pid").write_text(str(os.getpid()))

@@ -15,13 +15,9 @@ pytest.importorskip("opentelemetry.sdk")
 
 from opentelemetry.trace import SpanKind, StatusCode
 
-from kinference.consumer.answers import reply_headers
 from kinference.consumer.config import Batching, ServiceConfig
-from kinference.consumer.metrics import Metrics
-from kinference.consumer.request import RequestDecoder
-from kinference.consumer.service import Service
-from kinference.consumer.stages import ModelRun, Pipeline
-from kinference.consumer.tracing import (
+from kinference.consumer.ops.metrics import Metrics
+from kinference.consumer.ops.tracing import (
     BATCH_SPAN,
     TRACEPARENT,
     TRACESTATE,
@@ -31,6 +27,10 @@ from kinference.consumer.tracing import (
     extract,
     request_attributes,
 )
+from kinference.consumer.path.answers import reply_headers
+from kinference.consumer.path.request import RequestDecoder
+from kinference.consumer.path.stages import ModelRun, Pipeline
+from kinference.consumer.service import Service
 from kinference.errors import ConfigError
 from kinference.handlers.echo import EchoHandler
 from tests.fakes import FakeBatches, FakeRecord, make_request
@@ -225,7 +225,7 @@ def test_each_request_span_continues_its_callers_trace_and_links_to_its_batch(sp
 def test_a_request_whose_span_cannot_start_is_served_untraced(spans, monkeypatch):
     provider, exporter = spans
     tracing = Tracing(provider, "group")
-    monkeypatch.setattr("kinference.consumer.tracing.request_attributes", lambda request, group: 1 / 0)
+    monkeypatch.setattr("kinference.consumer.ops.tracing.request_attributes", lambda request, group: 1 / 0)
     request = RequestDecoder("replies", 1000).decode(FakeRecord(b"1", [(TRACEPARENT, CALLER)]))
     tracing.received([request])
     assert request.trace is not None
@@ -236,7 +236,7 @@ def test_a_request_whose_span_cannot_start_is_served_untraced(spans, monkeypatch
 
 def test_tracing_on_without_opentelemetry_fails_at_start_naming_the_extra(monkeypatch):
     for module in [name for name in sys.modules if name.startswith("opentelemetry") or
-                   name == "kinference.consumer.tracing"]:
+                   name == "kinference.consumer.ops.tracing"]:
         monkeypatch.delitem(sys.modules, module)
     monkeypatch.setitem(sys.modules, "opentelemetry", None)  # what an install without the extra sees
     service = Service(ServiceConfig(handler="echo", tracing=True, metrics=False))

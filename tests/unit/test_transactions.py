@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from confluent_kafka import KafkaError, KafkaException
 
-from kinference.consumer.commit import OffsetTracker
-from kinference.consumer.exactly_once import ABORTS_BEFORE_UNHEALTHY, ExactlyOnce
-from kinference.consumer.member_slot import MemberSlot
-from kinference.consumer.metrics import Metrics
-from kinference.consumer.publisher import Publisher, PublishSettings
+from kinference.consumer.delivery.commit import OffsetTracker
+from kinference.consumer.delivery.exactly_once import ABORTS_BEFORE_UNHEALTHY, ExactlyOnce
+from kinference.consumer.delivery.member_slot import MemberSlot
+from kinference.consumer.delivery.publisher import Publisher, PublishSettings
+from kinference.consumer.ops.metrics import Metrics
 from kinference.protocol import encode_result
 from tests.fakes import FakeProducer, make_request, wait_for
 

@@ -1,0 +1,139 @@
+"""The device process's life: load every model that can run here, warm it up, calibrate, serve (``device``).
+
+Started by the supervisor as ``kinference serve ... --device-index I`` (the user's own flags), before the
+workers: they connect to its socket in the host directory (``socket_path``), and the supervisor sizes
+``--workers auto`` from its calibration (``calibration_path``). Its health and readiness go to the supervisor as a
+worker's do (``WorkerReport``), so ``/healthz`` names it when it fails; a dead device process is restarted, and
+its workers send their calls again (``device_link``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from prometheus_client import REGISTRY
+
+from kinference.consumer.accelerator.calibration import Calibration, calibrate
+from kinference.consumer.accelerator.device import DeviceBatching, DeviceMetrics, DeviceServer
+from kinference.consumer.accelerator.device_engine import DeviceEngine
+from kinference.consumer.config import ServiceConfig
+from kinference.consumer.path.models import served_name
+from kinference.errors import ConfigError
+from kinference.handlers import Handler, HandlerContext, load_handler
+from kinference.handlers.generative import GenerativeHandler
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEVICE_BATCH_SIZE = 256
+"""``--device-batch-size auto`` without a calibration (a handler with no calibration payloads): the largest
+batch the calibration would try."""
+
+
+def socket_path(host_dir: Path, index: int) -> Path:
+    return host_dir / f"device-{index}.sock"
+
+
+def calibration_path(host_dir: Path, index: int) -> Path:
+    return host_dir / f"device-{index}.calibration.json"
+
+
+def torch_device(spec: str, index: int) -> str:
+    """The torch device of device process ``index``: with ``cuda``, one per GPU, its own; a named one (``cuda:1``,
+    ``cpu``) as given (there is one device process then)."""
+    return f"cuda:{index}" if spec == "cuda" else spec
+
+
+class DeviceProcess:
+    """``DeviceProcess(config, index, host_dir).start()`` loads, warms up, calibrates and serves; ``stop()``."""
+
+    def __init__(self, config: ServiceConfig, index: int, host_dir: Path, device: str) -> None:
+        self._config = config
+        self._index = index
+        self._host_dir = Path(host_dir)
+        self._device = torch_device(device, index)
+        self._max_rows = (DEFAULT_DEVICE_BATCH_SIZE if config.device_batch_size == "auto"
+                          else int(config.device_batch_size))
+        self._handlers: dict[str, Handler] = {}
+        """The models whose batches run here (``merge`` + ``inference``)."""
+        self._engines: dict[str, DeviceEngine] = {}
+        """The generative models' engines (``device_engine``)."""
+        self._server: DeviceServer | None = None
+        self._ready = threading.Event()
+
+    def start(self) -> DeviceProcess:
+        if self._config.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self._config.torch_threads)
+        for name, handler in self._load():
+            handler.warm_up()
+            if isinstance(handler, GenerativeHandler):
+                self._engines[name] = DeviceEngine(name, handler)
+            else:
+                self._handlers[name] = handler
+        if not self._handlers and not self._engines:
+            raise ConfigError("no model of this service can run in a device process: use --device-process off")
+        batch_size = self._calibrate()
+        batching = DeviceBatching(batch_size, threads=self._config.device_threads)
+        self._server = DeviceServer(self._handlers, socket_path(self._host_dir, self._index), batching,
+                                    DeviceMetrics(self._index, REGISTRY), self._engines).start()
+        self._ready.set()
+        log.info("device process %d serving %s on %s (device batches of up to %d items, %d threads)", self._index,
+                 ", ".join([*self._handlers, *self._engines]), self._device, batch_size, batching.threads)
+        return self
+
+    def _load(self) -> list[tuple[str, Handler]]:
+        """Each model whose handler can run here (the others run in every worker), set up on this device."""
+        loaded = []
+        for settings in self._config.model_configs():
+            handler = load_handler(settings.handler)
+            if not handler.device_process:
+                continue
+            handler.setup(HandlerContext(device=self._device, model=settings.model,
+                                         options=dict(settings.handler_options), max_batch_size=self._max_rows,
+                                         registry=REGISTRY, host_dir=self._host_dir, role="device"))
+            loaded.append((served_name(settings, handler), handler))
+        return loaded
+
+    def _calibrate(self) -> int:
+        """The device batch size: measured when ``auto`` or when the supervisor sizes the workers; written for it."""
+        config = self._config
+        fixed = None if config.device_batch_size == "auto" else int(config.device_batch_size)
+        if fixed is not None and config.workers != "auto":
+            return fixed
+        name, handler = next(iter(self._handlers.items()), (None, None))
+        result = None if handler is None else calibrate(handler, self._max_rows, fixed)
+        if result is None:  # a generative engine batches per decoding step: nothing to calibrate
+            log.info("calibration: model %s has no calibration payloads; device batches of up to %d items",
+                     name or ", ".join(self._engines), self._max_rows)
+            result = Calibration(self._max_rows, 0.0, 0.0, 1, {})
+        else:
+            log.info("device %d %s", self._index, result.line())
+        result.write(calibration_path(self._host_dir, self._index))
+        return result.batch_size
+
+    # --- what WorkerReport tells the supervisor
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._ready.wait(timeout_s)
+
+    def health_checks(self) -> dict[str, bool]:
+        return {"device server": self._server is None or self._server.alive}
+
+    def readiness_checks(self) -> dict[str, bool]:
+        return {"model_loaded": self._ready.is_set()}
+
+    def problems(self) -> list[str]:
+        return list(self._server.crashed) if self._server is not None else []
+
+    @property
+    def healthy(self) -> bool:
+        return all(self.health_checks().values())
+
+    def stop(self, timeout_s: float) -> None:
+        if self._server is not None:
+            self._server.stop(timeout_s)
+        for handler in [*self._handlers.values(), *(engine.handler for engine in self._engines.values())]:
+            handler.close()

@@ -1,0 +1,2 @@
+"""Local brokers on a loopback port, for tests, benchmarks and ``make demo``: ``broker`` (the embedded Tansu, and
+the choice between brokers) and ``apache_kafka`` (Apache Kafka from Maven Central's jars)."""

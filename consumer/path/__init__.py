@@ -1,0 +1,8 @@
+"""The request path: a record polled from Kafka, decoded, admitted, batched and run through the stages.
+
+In the order a request runs it: ``source`` (or ``share`` for a share group) -> ``intake`` -> ``request`` ->
+``models`` -> ``batcher`` -> ``stages``; a generative model's requests go from ``models`` to ``generations``
+instead. Consulted on the way: ``flow`` and ``budget`` (how much is in flight), ``rebalance``, ``control``
+(cancels), ``router``, ``admission``, ``cost`` (the adaptive policy's estimates), ``answers`` (what answers a
+request). Then ``kinference.consumer.delivery``.
+"""

@@ -1,0 +1,97 @@
+"""Intake: one fetch's records into requests, for either source (``source`` for consumer groups, ``share`` for
+share groups).
+
+For each record, in order: track it (``commit.OffsetTracker``, or ``share.ShareLedger``) before anything that can
+fail, decode it (a record that cannot be read becomes a request with an error, never an exception), then admit
+the fetch's readable requests together (the handler validates and prices them, one call for all) and route each
+on. Whatever a record does, the intake goes on with the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from kinference.consumer.ops.logs import about
+from kinference.consumer.path.budget import ByteBudget
+from kinference.consumer.path.request import Request, RequestDecoder
+from kinference.consumer.types import PartitionKey
+from kinference.errors import RequestError
+from kinference.protocol import ErrorCode
+
+if TYPE_CHECKING:
+    from kinference.consumer.ops.tracing import Tracing
+    from kinference.consumer.path.models import Models
+
+log = logging.getLogger(__name__)
+
+class Tracker(Protocol):
+    """The commit ledger (``commit.OffsetTracker``) or a share group's (``share.ShareLedger``)."""
+
+    def track(self, key: PartitionKey, offset: int) -> Any:
+        """The record's ledger, or None when it is not to be served (not owned, or seen already)."""
+
+
+TrackerT = TypeVar("TrackerT", bound=Tracker)
+
+
+class Intake(Generic[TrackerT]):
+    """What the source does with each fetch. The source reaches the rest of the service only through it: the
+    ``tracker`` it commits from, and ``discard`` on revoke."""
+
+    def __init__(self, decoder: RequestDecoder, tracker: TrackerT, models: Models,
+                 tracing: Tracing | None = None, budget: ByteBudget | None = None) -> None:
+        """``tracing``, when on, starts each request's span. ``budget`` is charged what each request holds decoded
+        (``budget.ByteBudget``; by default one without a bound)."""
+        self.tracker = tracker
+        self.budget = budget or ByteBudget.unbounded()
+        self._decoder = decoder
+        self._models = models
+        self._tracing = tracing
+
+    def discard(self, partitions: list[PartitionKey]) -> list[Request]:
+        """The requests of revoked partitions that no model has started on, taken back."""
+        discarded = self._models.discard(partitions)
+        self.budget.release(discarded)
+        return discarded
+
+    def take(self, records: list[Any], on_error: Callable[[Any], None]) -> None:
+        """Take in one fetch's records; ``on_error`` gets each consume error the fetch carried."""
+        received = time.monotonic()
+        requests = []
+        for record in records:
+            error = record.error()
+            if error is not None:
+                on_error(error)
+                continue
+            key, offset = (record.topic(), record.partition()), record.offset()
+            ledger = self.tracker.track(key, offset)
+            if ledger is None:
+                log.debug("dropped %s[%d] offset %d: partition not owned, or already consumed", *key, offset)
+                continue
+            request = self._decoder.decode(record, received)  # never raises: a bad record is a request with an error
+            request.ledger = ledger
+            requests.append(request)
+        self.budget.charge(requests)
+        if self._tracing is not None:
+            self._tracing.received(requests)
+        self._models.admit([request for request in requests if request.ok])
+        for request in requests:
+            self._take(request)
+        self._models.wake()
+
+    def _take(self, request: Request) -> None:
+        """Route one tracked request. Nothing it does may leave the loop: the requests after it in this fetch must
+        still be routed."""
+        try:
+            self._models.route(request)
+        except Exception as exc:  # a bug: the record is tracked, so it must still be answered
+            log.exception("routing a request failed; it gets an internal_error reply", extra=about(request))
+            request.fail(RequestError(f"kinference could not route the request: {exc!r}", ErrorCode.INTERNAL_ERROR))
+            try:
+                self._models.answer_now(request)
+            except Exception:
+                log.critical("the request cannot be answered; it stays in flight and is never acknowledged past",
+                             exc_info=True, extra=about(request))

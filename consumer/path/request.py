@@ -1,0 +1,414 @@
+"""``Request``, the value that travels through the service, and how a Kafka record becomes one (``RequestDecoder``):
+the inbound side only. What its reply and dead-letter records carry is in ``answers``; the header names and value
+formats themselves are in ``kinference.protocol``.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
+
+from kinference.consumer.types import Headers, ReplyFormat, Trace
+from kinference.consumer.wire import jsonscan, oip
+from kinference.errors import RequestError
+from kinference.handlers.base import Record
+from kinference.protocol import (
+    CORRELATION_ID,
+    DEADLINE_MS,
+    MAX_JSON_DEPTH,
+    REPLY_TO,
+    SPRING_CORRELATION_ID,
+    SPRING_REPLY_PARTITION,
+    SPRING_REPLY_TOPIC,
+    ErrorCode,
+    PayloadFormat,
+    decode_deadline,
+    decode_partition,
+)
+
+if TYPE_CHECKING:  # the Schema Registry client is an optional extra: imported only when configured
+    from kinference.consumer.path.router import ModelRoute, Router
+    from kinference.consumer.wire.serdes import SchemaRegistryFormat
+
+_LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_BINARY_DECODED = 40
+"""What an Avro or Protobuf record holds decoded, per byte, at most: a one-byte varint becomes an int and its slot
+(36 bytes)."""
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One consumed record and, once known, its outcome. It travels through every stage, on three threads in turn:
+    the poll thread (decoder, intake, admission, routing), the stage threads (batcher, stages, or a generative
+    model's engine), then the publisher's. A bounded queue hands it from one to the next, so one thread at a time
+    writes it.
+
+    Its fields are grouped by who writes them, in the order the request meets them: the record as decoded, then
+    what each step adds. Nothing but its owner writes a field. A field that a later step sets is None (or 0)
+    until then, and its type says so. ``error`` is the one field several steps write: through ``fail``, which
+    keeps the first cause (only the decoder sets it outright: a record it cannot read fails for that reason)."""
+
+    # --- The record, as the decoder (``RequestDecoder.decode``, poll thread) read it: fixed once decoded.
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    """None also when the record's key was too large to ride on the answers (``key_omitted``)."""
+    value: bytes | None
+    headers: Headers
+    received: float
+    """``time.monotonic()`` when the poll thread got the record: batch delays count from here."""
+    correlation_id: str
+    reply_topic: str
+    timestamp_ms: float | None = None
+    """The record's Kafka timestamp (create or log-append time), epoch ms; None if the record has none."""
+    key_omitted: int | None = None
+    """The size of the record's key when it was larger than ``max_key_bytes``: left out of the answers, which say so."""
+    spring_correlation_id: bytes | None = None
+    deadline_ms: int | None = None
+    reply_partition: int | None = None
+    """As the headers ask. The publisher's thread alone changes it later: dropped when the reply topic has no such
+    partition (``answers.ReplyPartitions``), or pinned for a keyless stream's chunks (``publisher``)."""
+    unroutable: bool = False
+    """True when the record's headers could not be read at all, so nobody knows where its caller waits for a
+    reply: only its dead letter answers it."""
+    dead_letter: bool = False
+    """True when the record could not be read as a request: it also goes to the dead-letter topic. The stages set
+    it too, for a request the handler timed out on, or whose generation failed."""
+    model: ModelRoute | None = None
+    """The model that serves it (``consumer.router``); None without a router (one unnamed model), and for a
+    record no model serves (it has an error)."""
+    reply_format: ReplyFormat | None = None
+    """How the reply value is written when it is not kinference's JSON: an Open Inference Protocol
+    ``InferenceResponse`` (``consumer.oip.OipCall``), or a Schema Registry record (``consumer.serdes.SchemaReply``).
+    A generative model's engine replaces it for a stream's final answer."""
+    payload: Any | None = None
+    """The parsed record value (JSON, the raw bytes for ``bytes`` handlers, a ``Record``); None when it could not be
+    decoded. ``budget.ByteBudget.release`` drops it (None again) once the stages are done with it."""
+    held_bytes: int = 0
+    """About the memory its value holds, raw and decoded; ``budget.ByteBudget`` counts it while in flight and sets
+    it to 0 when it releases the request."""
+
+    # --- Added by the intake and admission (poll thread).
+    ledger: Any = field(default=None, repr=False)
+    """Where the tracker follows the record (``intake``): the partition's ``commit.PartitionLedger``, or a share
+    group's ``share.ShareRecord``. Set on every request right after it is decoded (a record is decoded only once
+    tracked), so Any rather than Optional: the delivery modes read it as their own ledger type."""
+    trace: Trace | None = None
+    """The request's span (``consumer.tracing.RequestTrace``, set by ``Tracing.received``); None when tracing is
+    off."""
+    item: Any | None = None
+    """What the handler's ``validate`` made of the payload (``admission``); ``preprocess`` gets these. None until
+    admitted, and for a request that failed before; released with ``payload``."""
+    tokens: int | None = None
+    """The handler's ``cost`` of the item (its tokens, ``admission``); None when the handler does not count them."""
+
+    # --- Added by the batcher, when it dispatches the request's batch (a stage thread).
+    dispatched: float | None = None
+    """``time.monotonic()`` at dispatch; None until dispatched (a generative model's engine sets it when it
+    admits the request)."""
+    batch_size: int = 0
+    """Requests in its batch; 0 until dispatched."""
+
+    # --- Added by the stage that computed it (``stages``, or a generative model's ``generations``).
+    reply_value: bytes | None = None
+    """The reply's value, written by postprocess; None until then, and for a failed request (``answers`` writes
+    its error reply instead)."""
+    inference_ms: float = 0.0
+    """How long its micro-batch's inference took; 0 until computed."""
+
+    # --- Its outcome: any step, each through ``fail``.
+    error: RequestError | None = None
+    """The first error (``fail``); None while the request is ok."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def fail(self, error: RequestError) -> None:
+        """Record the first error only: later stages must not overwrite the original cause."""
+        if self.error is None:
+            self.error = error
+
+    def expired(self, now_epoch_ms: float) -> bool:
+        return self.deadline_ms is not None and now_epoch_ms >= self.deadline_ms
+
+    def age_ms(self, now: float, now_epoch_ms: float) -> float:
+        """How long the request has waited: since it was written to Kafka when the record has a
+        timestamp (so time spent in a paused partition counts), else since the poll thread got it."""
+        if self.timestamp_ms is not None:
+            return now_epoch_ms - self.timestamp_ms
+        return (now - self.received) * 1000
+
+
+def _any_topic(_topic: str) -> bool:
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDecoder:
+    """Turns consumed records into ``Request`` values; never raises for a bad record."""
+
+    default_reply_topic: str
+    max_request_bytes: int
+    payload_format: PayloadFormat = "json"
+    max_header_bytes: int = 16_384
+    reply_topic_allowed: Callable[[str], bool] = _any_topic
+    """Whether a request may name this reply topic (``config.ServiceConfig.reply_topic_allowed``)."""
+    reply_topic_exists: Callable[[str], bool] = _any_topic
+    """Whether an allowed reply topic exists (``topic_metadata.ExistingTopics``): a reply is never produced to a
+    topic that does not, which would wait out its delivery timeout, or create the topic."""
+    model: oip.ServedModel | None = None
+    """The served model, for Open Inference Protocol requests; None: kinference's own JSON only."""
+    schemas: SchemaRegistryFormat | None = None
+    """The Schema Registry format of request and reply values (``--value-format``); None: JSON."""
+    router: Router | None = None
+    """Which model serves each record; its model's payload format and OIP model then replace ``payload_format``
+    and ``model``. None: one unnamed model."""
+    max_key_bytes: int = 4096
+    """A larger key fails its request, and is left out of it: every answer carries the request's key, and one too
+    large for the topic could never be delivered."""
+
+    def decode(self, record: Any, received: float | None = None) -> Request:
+        """``record`` is a confluent_kafka.Message (or anything with the same accessors). Its coordinates are
+        read first and cannot fail; whatever fails after that becomes the request's error."""
+        topic, partition, offset = record.topic(), record.partition(), record.offset()
+        request = Request(
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            key=None,
+            value=None,
+            headers=[],
+            received=time.monotonic() if received is None else received,
+            correlation_id=f"{topic}/{partition}/{offset}",
+            reply_topic=self.default_reply_topic,
+        )
+        try:
+            request.key, request.value = self._bounded_key(request, record.key()), record.value()
+            request.timestamp_ms = _timestamp(record)
+            request.headers = _headers(record, request)
+            self._read_headers(request)
+            self._check_header_size(request.headers)
+            if request.key_omitted is not None:
+                raise RequestError(f"request key is {request.key_omitted} bytes; max_key_bytes is "
+                                   f"{self.max_key_bytes} (the answers go without it)", ErrorCode.PAYLOAD_TOO_LARGE)
+            payload_format, model = self.payload_format, self.model
+            if self.router is not None:
+                request.model = route = self._route(request, self.router)
+                payload_format, model = route.payload_format, route.served
+            if model is not None and model.speaks_oip(request.headers):
+                self._check_size(request.value)
+                # Set first, so that even a request that fails to decode is answered in OIP's shape.
+                request.reply_format = oip.OipCall(oip.request_id(request.key, {}, request.correlation_id),
+                                                   model, None)
+                request.payload, request.reply_format = oip.decode(request.value, request.key, dict(request.headers),
+                                                                   model, payload_format, request.correlation_id)
+            elif self.schemas is not None:
+                self._check_size(request.value)
+                request.payload = self.schemas.decode(topic, request.value, request.headers)
+            else:
+                request.payload = self._read_value(request, payload_format)
+        except RequestError as exc:
+            request.error = exc
+            request.dead_letter = True
+        except Exception as exc:  # a record this decoder did not foresee: still a dead letter, never a crash
+            request.error = RequestError(f"the record could not be decoded: {exc!r}", ErrorCode.INTERNAL_ERROR)
+            request.dead_letter = True
+        if self.schemas is not None:
+            # Whatever failed: every reply on the topic is in its format, written for the topic read from the headers.
+            request.reply_format = self.schemas.reply(request.reply_topic)
+        request.held_bytes = self._held_bytes(request)
+        return request
+
+    def _held_bytes(self, request: Request) -> int:
+        """About what the request's value holds once decoded, raw bytes included: computed from the bytes at C speed
+        (``jsonscan.decoded_bytes`` for JSON), never by walking the decoded value."""
+        value = request.value or b""
+        if request.payload is None or isinstance(request.payload, bytes | Record):
+            return len(value)  # not decoded, or handed over as the bytes themselves
+        if self.schemas is not None and self.schemas.value_format != "jsonschema":
+            return _BINARY_DECODED * len(value)
+        return jsonscan.decoded_bytes(value)
+
+    def _route(self, request: Request, router: Router) -> ModelRoute:
+        try:
+            return router.route(request.topic, request.headers)
+        except RequestError:
+            served = router.default.served
+            if served is not None and served.speaks_oip(request.headers):
+                # An OIP caller naming a model not served here gets OIP's error body, as MLServer answers it.
+                request.reply_format = oip.OipCall(oip.request_id(request.key, {}, request.correlation_id), served,
+                                                   None)
+            raise
+
+    def _read_headers(self, request: Request) -> None:
+        problems = _read_routing(request)
+        if request.spring_correlation_id is not None and not _has_header(request.headers, CORRELATION_ID):
+            request.correlation_id = request.spring_correlation_id.hex()
+        if request.reply_topic != self.default_reply_topic and not self.reply_topic_allowed(request.reply_topic):
+            # Whatever else is wrong, nothing is ever written to a topic outside the allow-list: the answer goes
+            # to the default reply topic. Not a dead letter by itself: the record only asks for a route this
+            # service does not serve.
+            asked, request.reply_topic, request.reply_partition = request.reply_topic, self.default_reply_topic, None
+            refusal = (f"reply topic {asked!r} is not allowed (--reply-topics-allowed); the reply goes to "
+                       f"{self.default_reply_topic!r}")
+            if problems:
+                problems.append(refusal)
+            else:
+                request.fail(RequestError(refusal, ErrorCode.REPLY_TOPIC_NOT_ALLOWED))
+        elif request.reply_topic != self.default_reply_topic and not self.reply_topic_exists(request.reply_topic):
+            asked, request.reply_topic, request.reply_partition = request.reply_topic, self.default_reply_topic, None
+            missing = f"reply topic {asked!r} does not exist; the reply goes to {self.default_reply_topic!r}"
+            if problems:
+                problems.append(missing)
+            else:
+                request.fail(RequestError(missing, ErrorCode.REPLY_TOPIC_NOT_FOUND))
+        if problems:
+            # Routing headers were read as far as possible first, so the error reply still finds its caller.
+            raise RequestError("; ".join(problems), ErrorCode.BAD_REQUEST)
+
+    def _bounded_key(self, request: Request, key: bytes | None) -> bytes | None:
+        """The key, or None when it is too large (its size kept in ``key_omitted``). Left out first of all, so
+        that nothing, not even the error reply of a request whose headers cannot be read, carries it."""
+        if key is not None and len(key) > self.max_key_bytes:
+            request.key_omitted = len(key)
+            return None
+        return key
+
+    def _check_header_size(self, headers: Headers) -> None:
+        size = sum(len(name) + len(raw or b"") for name, raw in headers)
+        if size > self.max_header_bytes:
+            raise RequestError(f"request headers are {size} bytes; max_header_bytes is {self.max_header_bytes}",
+                               ErrorCode.PAYLOAD_TOO_LARGE)
+
+    def _check_size(self, value: bytes | None) -> None:
+        size = len(value) if value is not None else 0
+        if size > self.max_request_bytes:
+            raise RequestError(
+                f"request value is {size} bytes; max_request_bytes is {self.max_request_bytes}",
+                ErrorCode.PAYLOAD_TOO_LARGE,
+            )
+
+    def _read_value(self, request: Request, payload_format: PayloadFormat) -> Any:
+        value = request.value
+        self._check_size(value)
+        if payload_format == "bytes":
+            return value or b""
+        if payload_format == "record":
+            headers = {name: raw.decode("utf-8", "replace") for name, raw in request.headers if raw is not None}
+            return Record(value or b"", request.key, headers, request.correlation_id)
+        if not value:
+            raise RequestError("request value is empty; expected a JSON document", ErrorCode.BAD_REQUEST)
+        try:
+            document = jsonscan.loads(value)
+        except orjson.JSONDecodeError as exc:
+            raise RequestError(f"request value is not valid JSON: {exc}", ErrorCode.BAD_REQUEST) from exc
+        if not jsonscan.nested_within(value, MAX_JSON_DEPTH):
+            raise RequestError(f"request value nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+                               ErrorCode.BAD_REQUEST)
+        return document
+
+
+def _read_routing(request: Request) -> list[str]:
+    """Set the request's correlation, reply route and deadline from its headers; what could not be read, in words.
+    Every header is read whatever the others hold, so that an error reply still finds its caller."""
+    problems = []
+    for name, raw in request.headers:
+        if raw is None:
+            continue
+        try:
+            if name == CORRELATION_ID:
+                request.correlation_id = _text(raw, name)
+            elif name == SPRING_CORRELATION_ID:
+                request.spring_correlation_id = raw or None
+            elif name in (REPLY_TO, SPRING_REPLY_TOPIC):
+                request.reply_topic = _topic(raw, name)
+            elif name == SPRING_REPLY_PARTITION:
+                request.reply_partition = _partition(raw)
+            elif name == DEADLINE_MS:
+                request.deadline_ms = _deadline(raw)
+        except RequestError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _timestamp(record: Any) -> float | None:
+    timestamp_type, timestamp = record.timestamp()
+    return timestamp if timestamp_type != TIMESTAMP_NOT_AVAILABLE and timestamp > 0 else None
+
+
+def _headers(record: Any, request: Request) -> Headers:
+    """The record's headers, or ``RequestError`` when they cannot be read.
+
+    confluent-kafka builds each ``(name, value)`` tuple without checking that the name decoded as UTF-8. For a
+    name that is not UTF-8 the tuple keeps a NULL where the name should be, and either ``headers()`` raises
+    ``SystemError`` (the decode error still pending) or, when a later header's decode cleared that error, it
+    returns the broken list, which crashes the interpreter as soon as the name is touched. So the raw tuple slots
+    are looked at before anything touches a name, and the accessor is never called twice on a record.
+    """
+    try:
+        headers = record.headers() or []
+        # The decode error may also surface only at the next call that checks for one: keep that inside too.
+        failure: Exception | None = None if _intact(headers) else ValueError("a header name is not UTF-8")
+    except Exception as exc:
+        failure = exc
+    if failure is None:
+        return headers
+    request.unroutable = True
+    cause = failure.__cause__ or failure.__context__ or failure
+    raise RequestError(f"the record's headers cannot be read (a header name that is not UTF-8?): {cause!r}",
+                       ErrorCode.BAD_REQUEST) from failure
+
+
+def _intact(headers: list[Any]) -> bool:
+    """Every header is a 2-tuple whose slots both hold an object. Reading a NULL slot from Python crashes, but
+    iterating the list and taking each tuple's length are safe, and so is ``gc.get_referents``: a tuple's traversal
+    skips a NULL slot, so the headers' referents number two per header only when none is NULL. One C call for all
+    the headers of a record (reading each slot's raw pointer through ctypes cost about a microsecond a header)."""
+    for header in headers:
+        if type(header) is not tuple or len(header) != 2:
+            return False
+    return len(gc.get_referents(*headers)) == 2 * len(headers)
+
+
+def _has_header(headers: Headers, name: str) -> bool:
+    return any(key == name and raw is not None for key, raw in headers)
+
+
+def _text(raw: bytes, name: str) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"header {name} is not UTF-8", ErrorCode.BAD_REQUEST) from exc
+    if not text or len(text) > 256:
+        raise RequestError(f"header {name} must be 1-256 characters", ErrorCode.BAD_REQUEST)
+    return text
+
+
+def _topic(raw: bytes, name: str) -> str:
+    topic = _text(raw, name)
+    if not _LEGAL_TOPIC.fullmatch(topic) or topic in (".", ".."):
+        raise RequestError(f"header {name} is not a legal topic name: {topic!r}", ErrorCode.BAD_REQUEST)
+    return topic
+
+
+def _partition(raw: bytes) -> int:
+    try:
+        return decode_partition(raw)
+    except ValueError as exc:
+        raise RequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
+
+
+def _deadline(raw: bytes) -> int:
+    try:
+        return decode_deadline(raw)
+    except ValueError as exc:
+        raise RequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
