@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kinference.consumer.ops.logs import about
 from kinference.consumer.path.budget import ByteBudget
@@ -22,19 +22,15 @@ from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
+    from kinference.consumer.delivery.commit import OffsetTracker
     from kinference.consumer.ops.tracing import Tracing
     from kinference.consumer.path.models import Models
+    from kinference.consumer.path.share import ShareLedger
 
 log = logging.getLogger(__name__)
 
-class Tracker(Protocol):
-    """The commit ledger (``commit.OffsetTracker``) or a share group's (``share.ShareLedger``)."""
-
-    def track(self, key: PartitionKey, offset: int) -> Any:
-        """The record's ledger, or None when it is not to be served (not owned, or seen already)."""
-
-
-TrackerT = TypeVar("TrackerT", bound=Tracker)
+TrackerT = TypeVar("TrackerT", "OffsetTracker", "ShareLedger")
+"""The ledger each record is tracked in: a consumer group's commit ledger or a share group's."""
 
 
 class Intake(Generic[TrackerT]):
@@ -45,7 +41,7 @@ class Intake(Generic[TrackerT]):
                  tracing: Tracing | None = None, budget: ByteBudget | None = None) -> None:
         """``tracing``, when on, starts each request's span. ``budget`` is charged what each request holds decoded
         (``budget.ByteBudget``; by default one without a bound)."""
-        self.tracker = tracker
+        self.tracker: TrackerT = tracker
         self.budget = budget or ByteBudget.unbounded()
         self._decoder = decoder
         self._models = models
