@@ -53,6 +53,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from kinference.consumer.brokers.broker import LOW_LATENCY_CONSUMER, local_broker
 from kinference.consumer.ops.topics import create_topics
+from kinference.loadgen.bench.bench import Target
 from kinference.loadgen.bench.command import measured, parse_options
 from kinference.loadgen.bench.contender import contender
 from kinference.loadgen.bench.machine import loadavg, machine
@@ -68,6 +69,8 @@ STATIC_WAIT_S = 0.05
 STREAMS = (32, 1)
 CONTINUOUS, PER_REQUEST = "continuous batching", "per-request generate()"
 STATIC = f"static batches of {STATIC_BATCH} (50 ms)"
+PROMPTS = "prompts"
+"""The corpus of every target here: the bench's own prompts (``prompts``)."""
 KAFKA_SETTINGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("kinference (Kafka)", {}),
     # One intra-op thread: on a small CPU host torch's threads (one per core) wait on each other at every operation
@@ -363,20 +366,6 @@ class GenerateBench:
         self.console.print(f"[dim]{time.monotonic() - self.began:6.1f} s[/dim]  {text}")
 
 
-@dataclass(frozen=True)
-class Target:
-    text: str
-    value: float
-    limit: float
-    higher: bool
-    detail: str
-
-    def row(self) -> dict[str, Any]:
-        met = self.value >= self.limit if self.higher else self.value <= self.limit
-        return {"target": self.text, "value": round(self.value, 3), "limit": self.limit, "met": met,
-                "detail": self.detail}
-
-
 def evaluate_targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 28's targets, on the in-process contenders of this run."""
     by = {(run["contender"], run["concurrency"]): run["generation"] for run in runs}
@@ -386,12 +375,12 @@ def evaluate_targets(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for other, limit in ((PER_REQUEST, 4.0), (STATIC, 1.5)):
         theirs = by.get((other, top))
         if mine and theirs and theirs["tokens_per_s"]:
-            targets.append(Target(f"{top} streams: tokens/s >= {limit:g}x {other}",
+            targets.append(Target(f"{top} streams: tokens/s >= {limit:g}x {other}", PROMPTS, top,
                                   mine["tokens_per_s"] / theirs["tokens_per_s"], limit, True,
                                   f"{mine['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} tokens/s"))
     mine, theirs = by.get((CONTINUOUS, 1)), by.get((PER_REQUEST, 1))
     if mine and theirs and mine["ttfc_ms"]["p50"] and theirs["ttfc_ms"]["p50"]:
-        targets.append(Target(f"1 stream: time to first chunk p50 <= 1.2x {PER_REQUEST}",
+        targets.append(Target(f"1 stream: time to first chunk p50 <= 1.2x {PER_REQUEST}", PROMPTS, 1,
                               mine["ttfc_ms"]["p50"] / theirs["ttfc_ms"]["p50"], 1.2, False,
                               f"{mine['ttfc_ms']['p50']:.1f} vs {theirs['ttfc_ms']['p50']:.1f} ms"))
     return [target.row() for target in targets]
