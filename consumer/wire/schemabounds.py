@@ -221,7 +221,7 @@ class _ProtoJson:
                 keys = list(value)
                 values = self.repeated(value_field, [value[key] for key in keys], self.level(level + 1))
                 converted[name] = dict(zip(map(_map_key, keys), values, strict=True))
-            elif field.is_repeated:
+            elif is_repeated(field):
                 converted[name] = self.repeated(field, value, self.level(level + 1))
             else:
                 converted[name] = self.item(field, value, level)
@@ -342,3 +342,12 @@ def _shortest(wide: np.ndarray, finite: np.ndarray) -> np.ndarray:
         for index in np.flatnonzero(slow).tolist():
             result[index] = type_checkers.ToShortestFloat(float(narrow[index]))
     return result
+
+
+def is_repeated(field: FieldDescriptor) -> bool:
+    """Whether ``field`` is repeated: protobuf 7 has only ``is_repeated``, releases before 6.30 (the lowest that
+    confluent-kafka's serializers allow) only ``label``."""
+    repeated = getattr(field, "is_repeated", None)
+    if repeated is not None:
+        return bool(repeated)
+    return bool(field.label == FieldDescriptor.LABEL_REPEATED)

@@ -30,7 +30,7 @@ from google.protobuf import (
 from google.protobuf.internal import type_checkers
 
 from kinference.consumer.path.request import RequestDecoder
-from kinference.consumer.wire.schemabounds import TOO_DEEP, message_to_dict
+from kinference.consumer.wire.schemabounds import TOO_DEEP, is_repeated, message_to_dict
 from kinference.consumer.wire.serdes import SchemaRegistryFormat
 from kinference.errors import RequestError
 from kinference.protocol import MAX_JSON_DEPTH, ErrorCode
@@ -174,7 +174,7 @@ def _every() -> object:
         kind = field.type
         if kind == FIELD.TYPE_MESSAGE:
             samples = _well_known(field.message_type.full_name)
-            if field.is_repeated:
+            if is_repeated(field):
                 target.extend(samples)
             else:
                 target.CopyFrom(samples[0])
@@ -184,7 +184,7 @@ def _every() -> object:
                    FIELD.TYPE_ENUM: [0, 1, 7]}.get(kind, [0, 1, 2**31 - 1])
         if kind in (FIELD.TYPE_INT64, FIELD.TYPE_SINT64, FIELD.TYPE_SFIXED64):
             samples = [-(2**63), 2**53 + 1, 5]
-        if field.is_repeated:
+        if is_repeated(field):
             target.extend(samples)
         else:
             setattr(every, field.name, samples[1])
