@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 
-def cost_ratio(call: Callable[[], object], baseline: Callable[[], object], rounds: int = 5) -> float:
+def cost_ratio(call: Callable[[], object], baseline: Callable[[], object], rounds: int = 11) -> float:
     """The fastest of ``rounds`` runs of ``call`` over the fastest of ``baseline``'s, run in turns."""
     fastest = [float("inf"), float("inf")]
     for _ in range(rounds):
