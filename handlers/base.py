@@ -84,6 +84,9 @@ class HandlerContext:
     host (the ``sim`` handler's device); None in a single process."""
     role: Role = "process"
     """``process``, or the side of a handler split across a worker (``host``) and a device process (``device``)."""
+    hang_s: float | None = None
+    """How long an engine that has work may make no progress before it is replaced (``--engine-hang-s``), for the
+    handlers that run one (``generate``); None: never."""
 
 
 class Handler(ABC):

@@ -28,6 +28,17 @@ Options (``--handler-options key=value``):
 
 ``seed`` (``decoding=sample``): the request's tokens are drawn from noise of its seed and their positions
 (``seeding.SeededSampling``), so the same prompt, seed and settings give the same text whatever runs beside it.
+
+``validate`` refuses alone what the engine cannot take: a prompt with no text to continue (blank, or only special
+tokens: the engine's step crashes on an empty one), and a prompt or ``max_tokens`` past the context or the KV cache.
+
+The engine is supervised here, by the thread that drains its events (``events``): an engine whose loop thread died
+(a step raised) or that made no step for ``hang_s`` (``--engine-hang-s``) while it had work is replaced by a new one
+on the same weights. The requests it held end with ``error`` (the service answers them ``handler_error``); those
+submitted while it is replaced wait and go to the new one; ``health`` is red, naming the fault, until the new one
+runs. A hung step's thread cannot be stopped: it is left behind (a daemon thread, so it cannot hold the process at
+exit), with its KV cache; after ``MAX_HUNG`` of those, or when a new engine cannot be built, the engine gives up
+and its health says the process must be replaced.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +65,7 @@ except ImportError as exc:  # an older transformers: say which one this handler 
     raise HandlerLoadError(f"--handler generate needs transformers' continuous batching: pip install "
                            f"'kinference[generate]' ({exc})") from exc
 from kinference.handlers.base import HandlerContext
-from kinference.handlers.generative import Event, GenerativeHandler, Prompt, Sampling
+from kinference.handlers.generative import SERVING, EngineHealth, Event, GenerativeHandler, Prompt, Sampling
 from kinference.handlers.options import one_of, positive_int, with_defaults
 from kinference.handlers.seeding import add_seeded_sampling
 from kinference.handlers.text import DTYPES, check_model_dir
@@ -68,6 +80,9 @@ _DEFAULT_TEMPERATURE = 0.7
 _DEFAULT_TOP_P = 0.95
 """The engine's own defaults under ``decoding=sample``: neither may be 1.0, or transformers builds no per-request
 temperature or top-p step at all."""
+MAX_HUNG = 2
+"""Hung engines left behind (their step never returned, their KV cache held) before the engine gives up, and the
+process must be replaced: past it, replacing them in the process only piles up what they hold."""
 
 
 @dataclass(slots=True)
@@ -81,6 +96,8 @@ class _Sequence:
     text: str = ""
     sent: int = 0
     """Characters of ``text`` already sent in deltas."""
+    in_engine: bool = False
+    """Handed to the current engine; False while it waits for one (submitted while the engine was replaced)."""
 
 
 class GenerateHandler(GenerativeHandler):
@@ -114,21 +131,39 @@ class GenerateHandler(GenerativeHandler):
         self.tokenizer = _load_tokenizer(context.model)
         self._template = _chat_template(self.tokenizer, context.model, options["chat_template"])
         self.context_length = _context_length(context.model)
+        self._special = frozenset(self.tokenizer.all_special_ids)
+        self._options = options
+        self.kv_cache_tokens = self._engine_config().num_blocks * self._page_size
+        """What one sequence may hold, its prompt and answer together: the KV cache's pages (and the context)."""
         self._engine: _Engine | None = None
+        self._lock = threading.Lock()
+        self._health = SERVING
         if context.role == "host":  # a worker beside a device process: it validates, the device process generates
             return
-        model = _load_model(context.model, dtype, context.device)
-        self.eos = _eos(self.tokenizer, model, context.model)
+        self._model = _load_model(context.model, dtype, context.device)
+        self.eos = _eos(self.tokenizer, self._model, context.model)
         self._backend = self.tokenizer.backend_tokenizer
-        self._engine = _Engine.start(model, self._engine_config(options), self._generation_config())
+        self._hang_s = context.hang_s
         self._running: dict[str, _Sequence] = {}
         self._ended: list[Event] = []
         """Cancelled requests' events, waiting for the next ``events`` call."""
-        self._lock = threading.Lock()
+        self._hung: list[_Engine] = []
+        """Engines replaced while a step of theirs hung: left behind."""
+        self._engine = self._start_engine()
+        self._progress = (self._engine.steps, time.monotonic())
+        """The engine's step count when it last changed, and when."""
 
-    def _engine_config(self, options: dict[str, Any]) -> ContinuousBatchingConfig:
-        sequences = self.max_sequences
-        page = positive_int(self.name, "page_size", options["page_size"])
+    def _start_engine(self) -> _Engine:
+        """A new engine on the model's weights; ``HandlerLoadError`` when it cannot be built."""
+        return _Engine.start(self._model, self._engine_config(), self._generation_config())
+
+    @property
+    def _page_size(self) -> int:
+        return positive_int(self.name, "page_size", self._options["page_size"])
+
+    def _engine_config(self) -> ContinuousBatchingConfig:
+        """A new one for each engine: transformers fills it in when it builds the engine."""
+        options, sequences, page = self._options, self.max_sequences, self._page_size
         tokens = options["kv_cache_tokens"] or sequences * self.context_length
         return ContinuousBatchingConfig(
             num_blocks=math.ceil(positive_int(self.name, "kv_cache_tokens", tokens) / page), page_size=page,
@@ -146,17 +181,30 @@ class GenerateHandler(GenerativeHandler):
 
     def validate(self, payload: Any) -> Prompt:
         request = read_chat_request(payload, self.max_chars)
+        if request.messages is not None and not any(message["content"].strip() for message in request.messages):
+            raise InvalidInput("the messages have no text: every content is blank")
         token_ids = self._tokens(request)
-        room = self.context_length - len(token_ids)
+        if all(token in self._special for token in token_ids):
+            raise InvalidInput(f"the prompt has no text to continue: {len(token_ids)} tokens, none but special ones "
+                               "(a blank or whitespace-only prompt has none at all)")
+        limit, what = self._limit()
+        room = limit - len(token_ids)
         if room < 1:
-            raise InvalidInput(f"the prompt is {len(token_ids)} tokens; the model's context is {self.context_length}")
+            raise InvalidInput(f"the prompt is {len(token_ids)} tokens; {what} is {limit}")
         wanted = request.max_tokens or self.max_new_tokens
         if request.max_tokens is not None and request.max_tokens > room:
-            raise InvalidInput(f"max_tokens={request.max_tokens} and the prompt's {len(token_ids)} tokens exceed the "
-                               f"model's context of {self.context_length} tokens")
+            raise InvalidInput(f"max_tokens={request.max_tokens} and the prompt's {len(token_ids)} tokens exceed "
+                               f"{what} of {limit} tokens")
         sampling = Sampling(min(wanted, self.max_new_tokens, room), request.temperature, request.top_p, request.stop,
                             request.seed)
         return Prompt(tuple(token_ids), sampling, request.stream)
+
+    def _limit(self) -> tuple[int, str]:
+        """The most tokens of one sequence, and what sets it: the context, or a KV cache smaller than it (a sequence
+        that outgrows the cache stops the engine's scheduler for good)."""
+        if self.kv_cache_tokens < self.context_length:
+            return self.kv_cache_tokens, "the KV cache (handler option kv_cache_tokens)"
+        return self.context_length, "the model's context"
 
     def _tokens(self, request: ChatRequest) -> list[int]:
         if request.prompt is not None:
@@ -170,20 +218,25 @@ class GenerateHandler(GenerativeHandler):
         return ids
 
     def submit(self, request_id: str, prompt: Prompt) -> None:
-        engine = self._live_engine
+        """To the engine; while it is being replaced (or found dead here), the request waits for the next one."""
         with self._lock:
+            engine = self._live_engine  # the current one: a replacement swaps it under this lock
+            if self._health.problem is not None and not self._health.replacing:
+                raise RequestError(self._health.problem, ErrorCode.HANDLER_ERROR)
             if request_id in self._running:
                 raise RequestError(f"request {request_id} is already generating", ErrorCode.INTERNAL_ERROR)
-            self._running[request_id] = _Sequence(prompt)
-        sampling = prompt.sampling
+            sequence = self._running[request_id] = _Sequence(prompt)
+            if not self._health.replacing:
+                self._hand(engine, request_id, sequence)
+
+    def _hand(self, engine: _Engine, request_id: str, sequence: _Sequence) -> None:
+        """(Under the lock.) Give the sequence to ``engine``; one that does not run keeps it waiting for the next."""
+        sampling = sequence.prompt.sampling
         extra: dict[str, float | int] = {} if self.greedy else {
             "temperature": max(sampling.temperature, MIN_TEMPERATURE), "top_p": sampling.top_p}
         if not self.greedy and sampling.seed is not None:
             extra["seed"] = sampling.seed
-        if not engine.add(request_id, list(prompt.token_ids), sampling.max_tokens, extra):
-            with self._lock:
-                del self._running[request_id]
-            raise RequestError("the generation engine is not running", ErrorCode.INTERNAL_ERROR)
+        sequence.in_engine = engine.add(request_id, list(sequence.prompt.token_ids), sampling.max_tokens, extra)
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -192,20 +245,98 @@ class GenerateHandler(GenerativeHandler):
                 return
             self._ended.append(Event(request_id, "cancelled", sequence.text, sequence.seen,
                                      len(sequence.prompt.token_ids), "cancelled"))
-        self._live_engine.cancel(request_id)
+        if sequence.in_engine:
+            self._live_engine.cancel(request_id)
 
     # --- the drain thread
 
     def events(self, timeout_s: float) -> list[Event]:
-        outputs = self._live_engine.outputs(0.0 if self._ended else timeout_s)
-        events: list[Event] = []
+        """The engine's events; and its supervision: a dead or hung engine is replaced here."""
+        engine = self._live_engine
+        outputs = engine.outputs(0.0 if self._ended else timeout_s)
         with self._lock:
             events, self._ended = self._ended, []
-            for output in outputs:
-                sequence = self._running.get(output.request_id)
-                if sequence is not None:  # else cancelled, or ended by a stop string: what follows is stale
-                    events.extend(self._advance(output, sequence))
+            events += self._read(outputs)
+            fault = self._fault(engine)
+        if fault is not None:
+            events += self._replace(engine, fault)
         return events
+
+    def _read(self, outputs: list[Any]) -> list[Event]:
+        """(Under the lock.) The events of the engine's outputs; one that cannot be read fails its request alone."""
+        events: list[Event] = []
+        for output in outputs:
+            sequence = self._running.get(output.request_id)
+            if sequence is None:  # cancelled, or ended by a stop string: what follows is stale
+                continue
+            try:
+                events += self._advance(output, sequence)
+            except Exception as exc:  # a detokeniser's or a stop string's fault is this request's alone
+                log.exception("model %s: request %s: its output cannot be read", self.model_name, output.request_id)
+                self._running.pop(output.request_id, None)
+                self._live_engine.cancel(output.request_id)
+                events.append(Event(output.request_id, "error", f"its output cannot be read: {exc!r}", sequence.seen,
+                                    len(sequence.prompt.token_ids)))
+        return events
+
+    def _fault(self, engine: _Engine) -> str | None:
+        """(Under the lock.) Why ``engine`` must be replaced: its loop ended, or it has work and made no step for
+        ``hang_s``; None while it serves."""
+        if self._health.problem is not None:  # already replaced or given up: nothing more to do here
+            return None
+        now, steps = time.monotonic(), engine.steps
+        busy = any(sequence.in_engine for sequence in self._running.values())
+        if steps != self._progress[0] or not busy:
+            self._progress = (steps, now)
+        if not engine.alive:
+            return f"its loop ended: {engine.error}" if engine.error else "its loop ended"
+        if self._hang_s is not None and now - self._progress[1] > self._hang_s:
+            return f"no decoding step for {now - self._progress[1]:.1f} s (--engine-hang-s {self._hang_s:g})"
+        return None
+
+    def _replace(self, old: _Engine, fault: str) -> list[Event]:
+        """A new engine for ``old``: what ``old`` held ends with ``error``; what waits goes to the new one."""
+        log.error("model %s: the generation engine is replaced: %s", self.model_name, fault)
+        with self._lock:
+            self._health = EngineHealth(f"model {self.model_name}: the generation engine is being replaced: {fault}",
+                                        replacing=True)
+            events = self._read(old.outputs(0.0))  # a dead engine's last outputs: its requests' own errors
+            events += self._fail(lambda sequence: sequence.in_engine, f"the engine failed: {fault}")
+        if old.alive:
+            self._hung = [engine for engine in self._hung if engine.alive] + [old]
+        old.abandon()
+        engine = None if len(self._hung) > MAX_HUNG else self._try_start()
+        with self._lock:
+            if engine is None:
+                self._health = EngineHealth(f"model {self.model_name}: the generation engine gave up after {fault} "
+                                            f"({len(self._hung)} hung engines left behind, or none could be built)")
+                return events + self._fail(lambda sequence: True, self._health.problem or "")
+            self._engine = engine
+            for request_id, sequence in self._running.items():
+                self._hand(engine, request_id, sequence)
+            self._progress = (engine.steps, time.monotonic())
+            self._health = SERVING
+        log.warning("model %s: a new generation engine serves", self.model_name)
+        return events
+
+    def _try_start(self) -> _Engine | None:
+        try:
+            return self._start_engine()
+        except HandlerLoadError:
+            log.exception("model %s: no new generation engine could be built", self.model_name)
+            return None
+
+    def _fail(self, which: Callable[[_Sequence], bool], reason: str) -> list[Event]:
+        """(Under the lock.) End the sequences ``which`` picks with an ``error`` event each."""
+        failed = [(request_id, sequence) for request_id, sequence in self._running.items() if which(sequence)]
+        for request_id, _ in failed:
+            del self._running[request_id]
+        return [Event(request_id, "error", reason, sequence.seen, len(sequence.prompt.token_ids))
+                for request_id, sequence in failed]
+
+    @property
+    def health(self) -> EngineHealth:
+        return self._health
 
     def _advance(self, output: Any, sequence: _Sequence) -> list[Event]:
         """The events of one engine output (the request's tokens so far)."""
@@ -353,7 +484,13 @@ class _Engine:
             manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
             if config.per_request_processors:  # sampling: each request's own seed
                 add_seeded_sampling(manager)
-            manager.start()
+            # The engine's thread is a daemon when a daemon thread starts it (threads inherit it): a step that
+            # hangs then cannot hold the process at exit.
+            starter = threading.Thread(target=manager.start, name="kinference-engine-start", daemon=True)
+            starter.start()
+            starter.join()
+            if not manager.is_running():
+                raise RuntimeError("its thread did not start")
         except Exception as exc:
             raise HandlerLoadError(f"generate: transformers' continuous batching cannot serve this model: "
                                    f"{exc}") from exc
@@ -385,6 +522,22 @@ class _Engine:
     def alive(self) -> bool:
         running: bool = self._manager.is_running()
         return running
+
+    @property
+    def steps(self) -> int:
+        """Decoding steps made so far: the engine's heartbeat of work done."""
+        steps: int = getattr(self._manager, "current_batch", 0)
+        return steps
+
+    @property
+    def error(self) -> str | None:
+        """What ended its loop, if a step raised."""
+        error = self._manager.background_thread_status.fatal_error
+        return None if error is None else repr(error)
+
+    def abandon(self) -> None:
+        """Ask its loop to stop, without waiting: a hung step never returns. What it still held is not read."""
+        self._manager.stop(block=False, hard_stop=True)
 
     def stop(self) -> None:
         if self._manager.is_running():

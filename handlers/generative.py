@@ -19,6 +19,9 @@ With a device process (``--device-process``), the engine runs there once for eve
 the handler up with role ``device`` and drives it through these same calls, and each worker drives a link to it
 (``consumer/accelerator/engine_link.py``) that implements them too. The link adds one terminal event of its own,
 ``lost``: the device process that held the request died, and the service generates it again under a new attempt.
+
+An engine watches over itself (``health``): one whose loop died, or that makes no progress while it has work, is
+replaced in its process; the requests it held end with ``error``, those submitted meanwhile wait for the new one.
 """
 
 from __future__ import annotations
@@ -74,6 +77,20 @@ class Event:
     """``final`` only: ``stop`` (end of sequence or a stop string) or ``length`` (``max_tokens``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """Whether a generative engine serves: ``/healthz`` names its model while it does not."""
+
+    problem: str | None = None
+    """None while it serves; else why not, in words."""
+    replacing: bool = False
+    """With a problem: True while the engine is being replaced in its process (red until it serves again, and the
+    process goes on); False when it cannot be replaced there, and the process must be (exit code 1)."""
+
+
+SERVING = EngineHealth()
+
+
 class GenerativePort(Protocol):
     """What the service drives: a ``GenerativeHandler`` in this process, or the link to its engine in the device
     process."""
@@ -86,6 +103,9 @@ class GenerativePort(Protocol):
 
     @property
     def kv_cache_use(self) -> float | None: ...
+
+    @property
+    def health(self) -> EngineHealth: ...
 
 
 class GenerativeHandler(Handler):
@@ -112,6 +132,11 @@ class GenerativeHandler(Handler):
     def kv_cache_use(self) -> float | None:
         """The fraction of the KV cache in use, for the metrics; None when the engine does not say."""
         return None
+
+    @property
+    def health(self) -> EngineHealth:
+        """Whether the engine serves (``EngineHealth``); an engine that replaces itself when it fails says so."""
+        return SERVING
 
     def inference(self, inputs: Any) -> Any:
         raise TypeError(f"{type(self).__name__} generates: the service drives it through submit/cancel/events")
