@@ -362,6 +362,11 @@ class ServiceConfig(BaseModel):
         16, ge=1, description="Generative models: the most requests of one partition generated at once (the engine's "
         "own max_sequences bounds them all); the others wait, in order.",
     )
+    engine_hang_s: float = Field(
+        60.0, gt=0, le=86_400, description="Generative models: an engine that has work and makes no decoding step "
+        "for this long is replaced in its process (its requests fail with handler_error; /healthz names it until "
+        "the new one runs). Above the slowest step (a long prompt's prefill), with a margin.",
+    )
     stream_every_tokens: int = Field(
         8, ge=1, description="Generative models, \"stream\": true: after the first chunk (sent at once), one "
         "chat.completion.chunk record every this many tokens...",

@@ -279,6 +279,13 @@ class Service:
     def healthy(self) -> bool:
         return self._started and all(self.health_checks().values())
 
+    @property
+    def failed(self) -> bool:
+        """Unhealthy for good: a check is red that nothing in this process repairs (a model replacing its engine is
+        red until the new one runs, and the process goes on meanwhile)."""
+        replacing = self.models.replacing()
+        return self._started and not all(ok or name in replacing for name, ok in self.health_checks().items())
+
     def problems(self) -> list[str]:
         """Why the service is not healthy, in words."""
         reasons = [name for name, ok in self.health_checks().items() if not ok]

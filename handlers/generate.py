@@ -133,7 +133,7 @@ class GenerateHandler(GenerativeHandler):
         self.context_length = _context_length(context.model)
         self._special = frozenset(self.tokenizer.all_special_ids)
         self._options = options
-        self.kv_cache_tokens = self._engine_config().num_blocks * self._page_size
+        self.kv_cache_tokens = self._kv_pages() * self._page_size
         """What one sequence may hold, its prompt and answer together: the KV cache's pages (and the context)."""
         self._engine: _Engine | None = None
         self._lock = threading.Lock()
@@ -161,14 +161,16 @@ class GenerateHandler(GenerativeHandler):
     def _page_size(self) -> int:
         return positive_int(self.name, "page_size", self._options["page_size"])
 
+    def _kv_pages(self) -> int:
+        tokens = self._options["kv_cache_tokens"] or self.max_sequences * self.context_length
+        return math.ceil(positive_int(self.name, "kv_cache_tokens", tokens) / self._page_size)
+
     def _engine_config(self) -> ContinuousBatchingConfig:
         """A new one for each engine: transformers fills it in when it builds the engine."""
-        options, sequences, page = self._options, self.max_sequences, self._page_size
-        tokens = options["kv_cache_tokens"] or sequences * self.context_length
         return ContinuousBatchingConfig(
-            num_blocks=math.ceil(positive_int(self.name, "kv_cache_tokens", tokens) / page), page_size=page,
-            max_batch_tokens=positive_int(self.name, "max_batch_tokens", options["max_batch_tokens"]),
-            max_requests_per_batch=sequences, use_cuda_graph=False, allow_block_sharing=False,
+            num_blocks=self._kv_pages(), page_size=self._page_size,
+            max_batch_tokens=positive_int(self.name, "max_batch_tokens", self._options["max_batch_tokens"]),
+            max_requests_per_batch=self.max_sequences, use_cuda_graph=False, allow_block_sharing=False,
             per_request_processors=not self.greedy)
 
     def _generation_config(self) -> GenerationConfig:

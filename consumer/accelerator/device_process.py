@@ -93,7 +93,8 @@ class DeviceProcess:
                 continue
             handler.setup(HandlerContext(device=self._device, model=settings.model,
                                          options=dict(settings.handler_options), max_batch_size=self._max_rows,
-                                         registry=REGISTRY, host_dir=self._host_dir, role="device"))
+                                         registry=REGISTRY, host_dir=self._host_dir, role="device",
+                                         hang_s=settings.engine_hang_s))
             loaded.append((served_name(settings, handler), handler))
         return loaded
 
@@ -120,17 +121,26 @@ class DeviceProcess:
         return self._ready.wait(timeout_s)
 
     def health_checks(self) -> dict[str, bool]:
-        return {"device server": self._server is None or self._server.alive}
+        """The server's threads, and each generative model's engine (red while it is replaced)."""
+        return {"device server": self._server is None or self._server.alive,
+                **{f"model {name}": engine.handler.health.problem is None for name, engine in self._engines.items()}}
 
     def readiness_checks(self) -> dict[str, bool]:
         return {"model_loaded": self._ready.is_set()}
 
     def problems(self) -> list[str]:
-        return list(self._server.crashed) if self._server is not None else []
+        engines = [problem for engine in self._engines.values() if (problem := engine.handler.health.problem)]
+        return (list(self._server.crashed) if self._server is not None else []) + engines
 
     @property
     def healthy(self) -> bool:
         return all(self.health_checks().values())
+
+    @property
+    def failed(self) -> bool:
+        """Unhealthy for good: red for another reason than an engine that is being replaced here."""
+        replacing = {f"model {name}" for name, engine in self._engines.items() if engine.handler.health.replacing}
+        return not all(ok or name in replacing for name, ok in self.health_checks().items())
 
     def stop(self, timeout_s: float) -> None:
         if self._server is not None:

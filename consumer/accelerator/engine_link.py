@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kinference.consumer.accelerator.device_link import DeviceUnavailable
-from kinference.handlers.generative import TERMINAL, Event, Prompt
+from kinference.handlers.generative import SERVING, TERMINAL, EngineHealth, Event, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,11 @@ class EngineLink:
     @property
     def kv_cache_use(self) -> float | None:
         return self._kv_cache_use
+
+    @property
+    def health(self) -> EngineHealth:
+        """Serving: an engine replaced in the device process is named by that process's own health checks."""
+        return SERVING
 
     def close(self) -> None:
         """The device process cancels this worker's sequences when its connection closes."""

@@ -182,7 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
         settle_heap()
         try:
             while not stop.wait(_HEALTH_CHECK_S):
-                if not service.healthy:
+                if service.failed:
                     log.critical("stopping (exit code 1): %s", "; ".join(service.problems()))
                     return 1
         finally:
@@ -236,7 +236,7 @@ def _run_device(args: argparse.Namespace, config: ServiceConfig) -> int:
         settle_heap()
         try:
             while not stop.wait(_HEALTH_CHECK_S):
-                if not device.healthy:
+                if device.failed:
                     log.critical("device process stopping (exit code 1): %s", "; ".join(device.problems()))
                     return 1
         finally:

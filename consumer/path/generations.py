@@ -18,6 +18,14 @@ Every record of a request carries its key, its correlation id and the headers ``
 ``kinference-sequence`` (0, 1, 2... in one attempt) and ``kinference-attempt`` (new each time the request is
 generated), on one partition (``Publisher`` pins a keyless request's partition at its first chunk).
 
+A request whose ``kinference-deadline-ms`` passes while it waits for a place is answered ``deadline_exceeded`` at
+its deadline (within a drain turn), and never reaches the engine; one whose deadline passes while it generates
+ends with ``finish_reason`` ``deadline`` and the text so far.
+
+An engine that replaces itself (``GenerativePort.health``: its loop died or hung) makes this model unhealthy until
+the new one runs; the requests it held end with ``error``, the others wait. An engine whose ``events`` raises fails
+every generation it held (``handler_error``), and the drain goes on.
+
 A revoked partition's generations are cancelled and left unanswered: the next owner generates them again, under a
 new attempt id. A generation whose engine was lost (``lost``: the device process that ran it died) goes back to
 the head of the queue and is generated again here, under a new attempt id, up to ``MAX_ATTEMPTS`` times.
@@ -26,6 +34,7 @@ the head of the queue and is generated again here, under a new attempt id, up to
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -136,6 +145,8 @@ class Generations:
         self._per_partition: dict[PartitionKey, int] = {}
         self._lost: dict[Request, int] = {}
         """Requests whose engine was lost, and how many times."""
+        self._next_deadline_ms = math.inf
+        """The earliest deadline among the waiting requests (or earlier): until then, none of them expires."""
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kinference-generate-{name}", daemon=True)
         self.crashed: str | None = None
@@ -147,6 +158,8 @@ class Generations:
         whole poll of prompts (as the batcher's ``put`` does): admission then looks at them all at once."""
         with self._lock:
             self._waiting.append(request)
+            if request.deadline_ms is not None:
+                self._next_deadline_ms = min(self._next_deadline_ms, request.deadline_ms)
             if wake:
                 self._admit()
 
@@ -203,7 +216,9 @@ class Generations:
         """Nothing more is put (the batcher's ``close``): the waiting requests stay, unanswered, for the next owner."""
 
     def _admit(self) -> None:
-        """Submit waiting requests while there is room, the oldest first, each partition within its share."""
+        """Submit waiting requests while there is room, the oldest first, each partition within its share; those
+        past their deadline are answered instead."""
+        self._expire_waiting(time.time() * 1000)
         skipped: deque[Request] = deque()
         while self._waiting and len(self._running) < self._settings.max_sequences:
             request = self._waiting.popleft()
@@ -232,6 +247,22 @@ class Generations:
         self._running[request_id] = generation
         self._per_partition[key] = self._per_partition.get(key, 0) + 1
 
+    def _expire_waiting(self, now_epoch_ms: float) -> None:
+        """(Under the lock.) Answer the waiting requests whose deadline passed: ``deadline_exceeded``, never
+        computed. Looks at the queue only once the earliest deadline in it has come."""
+        if now_epoch_ms < self._next_deadline_ms:
+            return
+        expired = [request for request in self._waiting if request.expired(now_epoch_ms)]
+        if expired:
+            self._waiting = deque(request for request in self._waiting if not request.expired(now_epoch_ms))
+            for request in expired:
+                self._lost.pop(request, None)
+                request.fail(RequestError("deadline passed before the request was computed",
+                                          ErrorCode.DEADLINE_EXCEEDED))
+            self._answer(expired)
+        self._next_deadline_ms = min((request.deadline_ms for request in self._waiting
+                                      if request.deadline_ms is not None), default=math.inf)
+
     def _forget(self, request_id: str) -> _Generation:
         generation = self._running.pop(request_id)
         key = (generation.request.topic, generation.request.partition)
@@ -252,16 +283,23 @@ class Generations:
 
     @property
     def healthy(self) -> bool:
-        return self.crashed is None and self._thread.is_alive()
+        return self.crashed is None and self._thread.is_alive() and self._handler.health.problem is None
+
+    @property
+    def replacing(self) -> bool:
+        """Unhealthy only while the engine replaces itself: the process goes on meanwhile."""
+        return self.crashed is None and self._thread.is_alive() and self._handler.health.replacing
 
     @property
     def stuck(self) -> str | None:
-        return None if self.crashed is None else f"model {self.name}: the generation drain thread died: {self.crashed}"
+        if self.crashed is not None:
+            return f"model {self.name}: the generation drain thread died: {self.crashed}"
+        return self._handler.health.problem
 
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                events = self._handler.events(_POLL_S)
+                events = self._events()
                 now = time.monotonic()
                 with self._lock:
                     chunks, answered = self._apply(events, now)
@@ -277,6 +315,20 @@ class Generations:
             self.crashed = repr(exc)
             log.critical("the generation drain thread of model %s died", self.name, exc_info=True)
             raise
+
+    def _events(self) -> list[Event]:
+        """The engine's events; when it raises, an ``error`` event for each generation it held (their events are
+        lost with the call), each cancelled there, and the drain goes on."""
+        try:
+            return self._handler.events(_POLL_S)
+        except Exception as exc:  # the engine's fault fails its requests, not the drain thread
+            log.exception("model %s: the engine's events failed; its generations fail with handler_error", self.name)
+            with self._lock:
+                held = list(self._running)
+            for request_id in held:
+                self._handler.cancel(request_id)
+            time.sleep(_POLL_S)  # an engine that raises at every call must not spin this thread
+            return [Event(request_id, "error", f"the engine failed: {exc!r}") for request_id in held]
 
     def _apply(self, events: list[Event], now: float) -> tuple[list[StreamChunk], list[Request]]:
         chunks, answered, again = [], [], []

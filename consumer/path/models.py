@@ -116,7 +116,8 @@ class Models:
             handler.setup(HandlerContext(device=device, model=_path(settings.model),
                                          options=dict(settings.handler_options),
                                          max_batch_size=batching.micro_batch_size or batching.max_batch_size,
-                                         registry=metrics.registry, host_dir=host_dir, role=role))
+                                         registry=metrics.registry, host_dir=host_dir, role=role,
+                                         hang_s=settings.engine_hang_s))
 
     def build(self, publisher: Publisher, metrics: Metrics, tracing: Tracing | None) -> Router:
         """Each model's route, batcher and stage threads (not started); returns the router over their routes. The
@@ -235,6 +236,12 @@ class Models:
 
     def problems(self) -> list[str]:
         return [model.pipeline.stuck for model in self.loaded if model.pipeline.stuck is not None]
+
+    def replacing(self) -> set[str]:
+        """The checks of ``health_checks`` that are red while their model replaces its engine by itself: the process
+        goes on meanwhile."""
+        return {f"model {model.name}" for model in self.loaded
+                if isinstance(model.pipeline, Generations) and model.pipeline.replacing}
 
     def stop(self, stages_by: float) -> None:
         """Close the batchers and stop the stages by ``stages_by`` (``time.monotonic()``): idle stages stop within
