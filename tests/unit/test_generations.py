@@ -14,8 +14,8 @@ import pytest
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.generations import Generations, GenerationSettings, StreamChunk
 from kinference.consumer.path.request import Request
-from kinference.handlers.generative import Event, GenerativeHandler, Prompt, Sampling
-from kinference.protocol import ATTEMPT, EVENT, SEQUENCE
+from kinference.handlers.generative import SERVING, EngineHealth, Event, GenerativeHandler, Prompt, Sampling
+from kinference.protocol import ATTEMPT, EVENT, SEQUENCE, ErrorCode
 from tests.fakes import make_request, wait_for
 
 
@@ -279,3 +279,90 @@ def test_read_cancel() -> None:
     assert read_cancel(b'{"cancel": "abc"}') == "abc"
     for bad in (b"", b"nope", b'{"cancel": 3}', b'["abc"]', b'{"cancel": ""}'):
         assert read_cancel(bad) is None
+
+
+def test_a_deadline_that_passes_while_the_request_waits_is_answered_then_never_generated(
+        engine: ScriptedEngine) -> None:
+    """Issue 36: a request waiting for a place in the engine was sent to it after its deadline, and ended
+    ``finish_reason: deadline``. It is answered ``deadline_exceeded`` at its deadline, and never generated; one
+    that comes expired is answered at once."""
+    outbox = Outbox()
+    gens = generations(engine, outbox, max_sequences=1)
+    running = request()
+    deadline_ms = int(time.time() * 1000) + 300
+    waiting, expired = request(deadline_ms=deadline_ms), request(deadline_ms=int(time.time() * 1000) - 1)
+    gens.put(running)
+    gens.put(waiting)
+    gens.put(expired)
+    assert outbox.answered == [expired] and expired.error.code == ErrorCode.DEADLINE_EXCEEDED
+    gens.start()
+    try:
+        assert wait_for(lambda: waiting in outbox.answered, timeout_s=10)
+        late_ms = time.time() * 1000 - deadline_ms
+        engine.step(engine.submitted[0], "done", final=True)
+        assert wait_for(lambda: running in outbox.answered)
+        time.sleep(0.1)  # the freed place: nothing waits for it
+    finally:
+        gens.stop(2.0)
+    assert 0 <= late_ms < 500, late_ms
+    assert waiting.error is not None and waiting.error.code == ErrorCode.DEADLINE_EXCEEDED
+    assert not waiting.dead_letter and waiting.reply_value is None
+    assert len(engine.submitted) == 1 and gens.waiting == 0
+
+
+class FailingEngine(ScriptedEngine):
+    """Its ``events`` raises once ``fail`` is set (and clears it): the events of that call are lost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = threading.Event()
+        self.engine_health = SERVING
+
+    def events(self, timeout_s: float) -> list[Event]:
+        if self.fail.is_set():
+            self.fail.clear()
+            raise RuntimeError("the engine broke")
+        return super().events(timeout_s)
+
+    @property
+    def health(self) -> EngineHealth:
+        return self.engine_health
+
+
+def test_an_engine_whose_events_raise_fails_what_it_held_and_the_drain_goes_on() -> None:
+    engine = FailingEngine()
+    outbox = Outbox()
+    gens = generations(engine, outbox)
+    held = [request(), request(partition=1)]
+    for req in held:
+        gens.put(req)
+    gens.start()
+    try:
+        engine.fail.set()
+        assert wait_for(lambda: len(outbox.answered) == 2)
+        assert gens.healthy
+        after = request()
+        gens.put(after)
+        engine.step(engine.submitted[-1], "fine", final=True)
+        assert wait_for(lambda: after in outbox.answered)
+    finally:
+        gens.stop(2.0)
+    for req in held:
+        assert req.error is not None and req.error.code == ErrorCode.HANDLER_ERROR
+        assert "the engine broke" in req.error.message
+    assert sorted(engine.cancelled) == sorted(engine.submitted[:2])
+    assert orjson.loads(after.reply_value)["choices"][0]["message"]["content"] == "fine"
+
+
+def test_the_model_is_unhealthy_while_its_engine_is_replaced_and_says_so() -> None:
+    engine = FailingEngine()
+    gens = generations(engine, Outbox())
+    gens.start()
+    try:
+        assert gens.healthy and not gens.replacing and gens.stuck is None
+        engine.engine_health = EngineHealth("model lm: the generation engine is being replaced: hung", replacing=True)
+        assert not gens.healthy and gens.replacing and gens.stuck == engine.engine_health.problem
+        engine.engine_health = EngineHealth("model lm: the generation engine gave up")
+        assert not gens.healthy and not gens.replacing and "gave up" in (gens.stuck or "")
+    finally:
+        gens.stop(2.0)

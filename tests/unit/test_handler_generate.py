@@ -4,6 +4,7 @@ submit/cancel/events port, OpenAI request bodies, detokenisation, stop strings, 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,12 @@ if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 24
                 allow_module_level=True)
 
 
-from kinference.errors import HandlerLoadError, InvalidInput
+from kinference.errors import HandlerLoadError, InvalidInput, RequestError
 from kinference.handlers import HandlerContext, load_handler
-from kinference.handlers.generate import GenerateHandler, _held, _Sequence
-from kinference.handlers.generative import Event, Prompt, Sampling
+from kinference.handlers.generate import MAX_HUNG, GenerateHandler, _held, _Sequence
+from kinference.handlers.generative import SERVING, Event, Prompt, Sampling
 from kinference.openai import read_chat_request, read_embeddings_request
+from tests.fakes import wait_for
 from tests.models import build_tiny_causal_lm
 
 
@@ -270,3 +272,113 @@ def test_embeddings_request() -> None:
     for bad in ({"input": []}, {"input": [1]}, {"input": "a", "encoding_format": "int8"}):
         with pytest.raises(InvalidInput):
             read_embeddings_request(bad)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"prompt": " "}, "no text to continue: 0 tokens"),
+    ({"prompt": " \t\n\u200b "}, "no text to continue: 0 tokens"),
+    ({"prompt": "[CLS] [SEP] [PAD]"}, "no text to continue: 3 tokens, none but special ones"),
+    ({"messages": [{"role": "system", "content": " "}, {"role": "user", "content": "\n"}]}, "every content is blank"),
+    ({"prompt": "the cat", "max_tokens": 0}, '"max_tokens" must be an integer >= 1'),
+    ({"prompt": "the cat", "max_tokens": 255}, "exceed the model's context of 256 tokens"),
+    ({"prompt": "cat " * 256}, "the prompt is 256 tokens; the model's context is 256"),
+])
+def test_a_prompt_the_engine_cannot_take_is_refused_at_validate(greedy: GenerateHandler, body: Any,
+                                                               message: str) -> None:
+    """Issue 36: ``{"prompt": " "}`` (no token at all) passed validate and its empty prefill step crashed the engine
+    for good; a prompt of special tokens only, blank messages, and sizes past the context are refused as well."""
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        greedy.validate(body)
+    assert greedy.validate({"prompt": "the cat", "max_tokens": 254}).sampling.max_tokens == 24
+
+
+def test_a_sequence_past_the_kv_cache_is_refused_at_validate(lm_dir: Path) -> None:
+    """A KV cache smaller than the context bounds one sequence: past it, the engine's scheduler stops for good."""
+    host = load_handler("generate")
+    host.setup(HandlerContext(device="cpu", model=lm_dir, role="host",
+                              options={"kv_cache_tokens": 64, "page_size": 16, "max_new_tokens": 100}))
+    assert host.validate({"prompt": "the cat", "max_tokens": 62}).sampling.max_tokens == 62
+    with pytest.raises(InvalidInput, match=re.escape("exceed the KV cache (handler option kv_cache_tokens) of 64")):
+        host.validate({"prompt": "the cat", "max_tokens": 63})
+    assert host.validate({"prompt": "the cat"}).sampling.max_tokens == 62  # the server's cap, within the cache
+
+
+class Drain:
+    """``events`` of a handler on a thread of its own, as the service's drain thread calls it."""
+
+    def __init__(self, handler: GenerateHandler) -> None:
+        self.handler = handler
+        self.events: dict[str, list[Event]] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            for event in self.handler.events(0.05):
+                self.events.setdefault(event.request_id, []).append(event)
+
+    def ended(self, request_id: str) -> Event | None:
+        events = self.events.get(request_id, [])
+        return events[-1] if events and events[-1].kind != "delta" else None
+
+    def stop(self) -> None:
+        self._stop = True
+        self._thread.join(5)
+
+
+@pytest.fixture
+def faulty(lm_dir: Path) -> Any:
+    from tests.faults.generate_handlers import FaultyGenerate
+
+    handler = FaultyGenerate()
+    handler.setup(HandlerContext(device="cpu", model=lm_dir, hang_s=1.0,
+                                 options={"decoding": "greedy", "max_new_tokens": 8, "restart_delay_s": 0.5}))
+    drain = Drain(handler)
+    yield handler, drain
+    handler.unwedge.set()
+    drain.stop()
+    handler.close()
+
+
+def test_an_engine_whose_loop_dies_fails_what_it_held_and_is_replaced(faulty: Any) -> None:
+    """A step that raises ends transformers' loop for good (issue 36: every later request failed): the requests it
+    held end with ``error``, the engine is replaced, and the next requests are served."""
+    handler, drain = faulty
+    handler.submit("crash", handler.validate({"prompt": "crash the engine", "max_tokens": 8}))
+    handler.submit("beside", handler.validate({"prompt": "the cat sat", "max_tokens": 8}))
+    assert wait_for(lambda: drain.ended("crash") and drain.ended("beside"), 30)
+    assert drain.ended("crash").kind == "error" and "a crash on cue" in drain.ended("crash").text
+    # In the engine with it, it fails with it; submitted after its death, it waits for the new engine.
+    assert drain.ended("beside").kind in ("error", "final")
+    assert wait_for(lambda: handler.health == SERVING, 30)
+    handler.submit("after", handler.validate({"prompt": "the cat sat", "max_tokens": 8}))
+    assert wait_for(lambda: drain.ended("after"), 30) and drain.ended("after").kind == "final"
+
+
+def test_a_hung_engine_is_replaced_after_hang_s_and_health_says_so_until_then(faulty: Any) -> None:
+    """A step that never returns: after ``hang_s`` without a step, the engine is replaced; its request ends with
+    ``error``; health is red (replacing, naming it) until the new engine runs, and a request submitted meanwhile
+    waits for the new one and is served."""
+    handler, drain = faulty
+    started = time.monotonic()
+    handler.submit("wedge", handler.validate({"prompt": "wedge the engine", "max_tokens": 8}))
+    assert wait_for(lambda: handler.health.replacing, 30)
+    assert time.monotonic() - started >= 1.0 and "no decoding step for" in (handler.health.problem or "")
+    handler.submit("meanwhile", handler.validate({"prompt": "the cat sat", "max_tokens": 8}))
+    assert wait_for(lambda: drain.ended("meanwhile"), 30)
+    assert drain.ended("meanwhile").kind == "final" and handler.health == SERVING
+    assert drain.ended("wedge").kind == "error" and "no decoding step" in drain.ended("wedge").text
+
+
+def test_an_engine_that_keeps_hanging_gives_up_and_says_the_process_must_go(faulty: Any) -> None:
+    """Each hung engine is left behind with its KV cache: past ``MAX_HUNG`` of them, the engine gives up (health red,
+    not replacing: the process is replaced) and refuses what comes, rather than pile them up."""
+    handler, drain = faulty
+    for attempt in range(MAX_HUNG + 1):
+        handler.submit(f"wedge{attempt}", handler.validate({"prompt": "wedge the engine", "max_tokens": 8}))
+        assert wait_for(lambda attempt=attempt: drain.ended(f"wedge{attempt}"), 30)
+    assert wait_for(lambda: handler.health.problem is not None and not handler.health.replacing, 10)
+    assert "gave up" in (handler.health.problem or "")
+    with pytest.raises(RequestError, match="gave up"):
+        handler.submit("after", handler.validate({"prompt": "the cat", "max_tokens": 8}))
