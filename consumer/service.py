@@ -121,7 +121,7 @@ class Service:
         if config.metrics:
             # Up before the model loads, so probes see "alive, not ready" during a slow start.
             self.endpoints = Endpoints(EndpointSettings.of(config), self.metrics.registry, self.health_checks,
-                                       self.readiness_checks).start()
+                                       self.readiness_checks, self.models.explained).start()
         try:
             return self._start(config)
         except BaseException:

@@ -235,7 +235,11 @@ class Models:
         return {f"model {model.name}": model.pipeline.healthy for model in self.loaded}
 
     def problems(self) -> list[str]:
-        return [model.pipeline.stuck for model in self.loaded if model.pipeline.stuck is not None]
+        return list(self.explained().values())
+
+    def explained(self) -> dict[str, str]:
+        """Why each failing check of ``health_checks`` fails, by its name (the body of a red ``/healthz``)."""
+        return {f"model {model.name}": stuck for model in self.loaded if (stuck := model.pipeline.stuck) is not None}
 
     def replacing(self) -> set[str]:
         """The checks of ``health_checks`` that are red while their model replaces its engine by itself: the process
