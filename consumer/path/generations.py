@@ -158,8 +158,7 @@ class Generations:
         whole poll of prompts (as the batcher's ``put`` does): admission then looks at them all at once."""
         with self._lock:
             self._waiting.append(request)
-            if request.deadline_ms is not None:
-                self._next_deadline_ms = min(self._next_deadline_ms, request.deadline_ms)
+            self._track_deadline(request)
             if wake:
                 self._admit()
 
@@ -246,6 +245,11 @@ class Generations:
         request.dispatched = time.monotonic()
         self._running[request_id] = generation
         self._per_partition[key] = self._per_partition.get(key, 0) + 1
+
+    def _track_deadline(self, request: Request) -> None:
+        """(Under the lock.) ``request`` waits: its deadline counts for ``_expire_waiting``."""
+        if request.deadline_ms is not None:
+            self._next_deadline_ms = min(self._next_deadline_ms, request.deadline_ms)
 
     def _expire_waiting(self, now_epoch_ms: float) -> None:
         """(Under the lock.) Answer the waiting requests whose deadline passed: ``deadline_exceeded``, never
@@ -359,6 +363,8 @@ class Generations:
             chunks += self._chunk(generation, now)  # what is buffered goes before the final
             answered.append(self._finish(generation, event))
         self._waiting.extendleft(reversed(again))  # first in line, in their order: ``_admit`` submits them again
+        for request in again:
+            self._track_deadline(request)
         return chunks, answered
 
     def _after_loss(self, generation: _Generation) -> Event | None:
