@@ -83,6 +83,9 @@ temperature or top-p step at all."""
 MAX_HUNG = 2
 """Hung engines left behind (their step never returned, their KV cache held) before the engine gives up, and the
 process must be replaced: past it, replacing them in the process only piles up what they hold."""
+MAX_FRUITLESS = 3
+"""Engines in a row replaced before they made a single step (a KV cache that cannot be allocated any more, a device
+that fails every step) before the engine gives up: replacing them would only spin."""
 
 
 @dataclass(slots=True)
@@ -149,6 +152,8 @@ class GenerateHandler(GenerativeHandler):
         """Cancelled requests' events, waiting for the next ``events`` call."""
         self._hung: list[_Engine] = []
         """Engines replaced while a step of theirs hung: left behind."""
+        self._fruitless = 0
+        """Engines replaced in a row before they made a step."""
         self._engine = self._start_engine()
         self._progress = (self._engine.steps, time.monotonic())
         """The engine's step count when it last changed, and when."""
@@ -304,14 +309,13 @@ class GenerateHandler(GenerativeHandler):
                                         replacing=True)
             events = self._read(old.outputs(0.0))  # a dead engine's last outputs: its requests' own errors
             events += self._fail(lambda sequence: sequence.in_engine, f"the engine failed: {fault}")
-        if old.alive:
-            self._hung = [engine for engine in self._hung if engine.alive] + [old]
+        why_not = self._no_replacement(old)
         old.abandon()
-        engine = None if len(self._hung) > MAX_HUNG else self._try_start()
+        engine = None if why_not else self._try_start()
         with self._lock:
             if engine is None:
-                self._health = EngineHealth(f"model {self.model_name}: the generation engine gave up after {fault} "
-                                            f"({len(self._hung)} hung engines left behind, or none could be built)")
+                self._health = EngineHealth(f"model {self.model_name}: the generation engine gave up after {fault}: "
+                                            f"{why_not or 'no new one could be built'}")
                 return events + self._fail(lambda sequence: True, self._health.problem or "")
             self._engine = engine
             for request_id, sequence in self._running.items():
@@ -320,6 +324,17 @@ class GenerateHandler(GenerativeHandler):
             self._health = SERVING
         log.warning("model %s: a new generation engine serves", self.model_name)
         return events
+
+    def _no_replacement(self, old: _Engine) -> str | None:
+        """Why ``old`` must not be replaced in this process (too many hung or fruitless engines); None: it may."""
+        if old.alive:
+            self._hung = [engine for engine in self._hung if engine.alive] + [old]
+        self._fruitless = self._fruitless + 1 if old.steps == 0 else 0
+        if len(self._hung) > MAX_HUNG:
+            return f"{len(self._hung)} hung engines left behind"
+        if self._fruitless >= MAX_FRUITLESS:
+            return f"{self._fruitless} engines in a row failed before their first step"
+        return None
 
     def _try_start(self) -> _Engine | None:
         try:
