@@ -37,8 +37,9 @@ The engine is supervised here, by the thread that drains its events (``events``)
 on the same weights. The requests it held end with ``error`` (the service answers them ``handler_error``); those
 submitted while it is replaced wait and go to the new one; ``health`` is red, naming the fault, until the new one
 runs. A hung step's thread cannot be stopped: it is left behind (a daemon thread, so it cannot hold the process at
-exit), with its KV cache; after ``MAX_HUNG`` of those, or when a new engine cannot be built, the engine gives up
-and its health says the process must be replaced.
+exit), with its KV cache; after ``MAX_HUNG`` of those, ``MAX_FRUITLESS`` engines in a row that fail before their
+first step, or when a new engine cannot be built, the engine gives up and its health says the process must be
+replaced.
 """
 
 from __future__ import annotations
