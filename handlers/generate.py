@@ -554,8 +554,12 @@ class _Engine:
         return None if error is None else repr(error)
 
     def abandon(self) -> None:
-        """Ask its loop to stop, without waiting: a hung step never returns. What it still held is not read."""
-        self._manager.stop(block=False, hard_stop=True)
+        """Ask its loop to stop, without waiting: a hung step never returns. What it still held is not read. Never
+        raises: the engine is being replaced whatever this one does."""
+        try:
+            self._manager.stop(block=False, hard_stop=True)
+        except Exception:  # a replacement must not be held up by the engine it replaces
+            log.exception("the replaced generation engine did not take its stop")
 
     def stop(self) -> None:
         if self._manager.is_running():
