@@ -57,22 +57,22 @@ import threading
 import time
 import zlib
 from collections import Counter as Tally
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.delivery.answers import Delivery, InFlight, Refusal, ReplyPartitions, classify, replacement
 from kinference.consumer.delivery.at_least_once import AtLeastOnce
 from kinference.consumer.delivery.exactly_once import ExactlyOnce
+from kinference.consumer.ledger.budget import ByteBudget
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.logs import about
 from kinference.consumer.ops.metrics import UNSERVED_LABEL, Metrics, observe_many
-from kinference.consumer.path.answers import Delivery, InFlight, Refusal, ReplyPartitions, classify, replacement
-from kinference.consumer.path.budget import ByteBudget
-from kinference.consumer.path.generations import StreamChunk
-from kinference.consumer.path.request import Request
+from kinference.consumer.types import Headers
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 
@@ -117,11 +117,25 @@ def observe(metrics: Metrics, requests: list[Request], now: float) -> None:
         observe_many(metrics.labelled(metrics.queue_wait, *labels), queued)
 
 
+class Chunk(Protocol):
+    """One record of a generative request's stream (``path.generations.StreamChunk``), as the publisher produces it:
+    in order with its request's final, never tracked for the commit (the final is what answers the request)."""
+
+    @property
+    def request(self) -> Request: ...
+
+    @property
+    def value(self) -> bytes: ...
+
+    @property
+    def headers(self) -> Headers: ...
+
+
 @dataclass(frozen=True, slots=True)
 class _Stream:
     """Stream chunks of generative requests, in the inbox with the finished requests (``Publisher.stream``)."""
 
-    chunks: list[StreamChunk]
+    chunks: Sequence[Chunk]
 
 
 @dataclass(frozen=True)
@@ -201,7 +215,7 @@ class Publisher:
         self.budget.release(requests)
         self._put(requests)
 
-    def stream(self, chunks: list[StreamChunk]) -> None:
+    def stream(self, chunks: Sequence[Chunk]) -> None:
         """Queue the stream chunks of generative requests, produced in order before their requests' finals (one
         producer, one partition per request). Chunks are not answers: nothing waits for their acknowledgement."""
         self._put(_Stream(chunks))
@@ -292,7 +306,7 @@ class Publisher:
 
     # --- records
 
-    def _produce_chunks(self, chunks: list[StreamChunk]) -> None:
+    def _produce_chunks(self, chunks: Sequence[Chunk]) -> None:
         """Best effort: a chunk the broker refuses is counted and logged, and the client sees the gap (the final,
         which carries the whole text, is what answers the request)."""
         for piece in chunks:

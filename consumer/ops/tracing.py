@@ -42,7 +42,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kinference import __version__
-from kinference.consumer.path.request import Request
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.types import Headers
 from kinference.errors import ConfigError
 from kinference.protocol import MAX_ERROR_MESSAGE

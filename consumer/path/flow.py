@@ -13,8 +13,8 @@ from typing import Any
 
 from confluent_kafka import TopicPartition
 
+from kinference.consumer.ledger.budget import ByteBudget
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path.budget import ByteBudget
 
 log = logging.getLogger(__name__)
 

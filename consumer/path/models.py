@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 
 from kinference.consumer.accelerator.engine_link import EngineLink
 from kinference.consumer.config import Batching, ServiceConfig
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.admission import admit
 from kinference.consumer.path.batcher import Batcher
 from kinference.consumer.path.generations import Generations, GenerationSettings, StreamChunk
-from kinference.consumer.path.request import Request
 from kinference.consumer.path.router import ModelRoute, Router
 from kinference.consumer.path.stages import ModelRun, Pipeline
-from kinference.consumer.types import PartitionKey
+from kinference.consumer.types import PartitionKey, Route
 from kinference.consumer.wire.oip import ServedModel as OipModel
 from kinference.errors import ConfigError, RequestError
 from kinference.handlers import Handler, HandlerContext, load_handler
@@ -256,7 +256,7 @@ class Models:
             link.close()
 
 
-def _routed(request: Request) -> ModelRoute:
+def _routed(request: Request) -> Route:
     """An ok request's model: the decoder's router picked it (a record that no model serves has an error)."""
     route = request.model
     if route is None:

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 
 from confluent_kafka import TopicPartition
 
-from kinference.consumer.path.request import Request
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.types import PartitionKey
 
 log = logging.getLogger(__name__)
