@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kinference.consumer.accelerator.engine_link import EngineLink
-from kinference.consumer.config import Batching, ServiceConfig
+from kinference.consumer.config import Batching, ServiceConfig, served_name
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.admission import admit
@@ -262,11 +262,6 @@ def _routed(request: Request) -> Route:
     if route is None:
         raise RuntimeError(f"request {request.correlation_id} is ok but no model was picked for it")
     return route
-
-
-def served_name(settings: ServiceConfig, handler: Handler) -> str:
-    """A model's name (set up): in its metrics, its errors, OIP and the device process's calls."""
-    return settings.model_name or handler.describe().get("model") or settings.handler
 
 
 def _info_labels(described: dict[str, str]) -> dict[str, str]:
