@@ -41,7 +41,7 @@ class Intake(Generic[TrackerT]):
     def __init__(self, decoder: RequestDecoder, tracker: TrackerT, models: Models,
                  tracing: Tracing | None = None, budget: ByteBudget | None = None) -> None:
         """``tracing``, when on, starts each request's span. ``budget`` is charged what each request holds decoded
-        (``budget.ByteBudget``; by default one without a bound)."""
+        (``ledger.budget.ByteBudget``; by default one without a bound)."""
         self.tracker: TrackerT = tracker
         self.budget = budget or ByteBudget.unbounded()
         self._decoder = decoder

@@ -1,5 +1,6 @@
-"""Share groups (consumer/path/share.py): each record's acknowledgement follows its outcome, and the poll thread alone
-calls the share consumer. The broker side runs in tests/faults/test_share_groups.py (Apache Kafka)."""
+"""Share groups (consumer/ledger/share.py, consumer/path/share.py): each record's acknowledgement follows its outcome,
+and the poll thread alone calls the share consumer. The broker side runs in tests/faults/test_share_groups.py (Apache
+Kafka)."""
 
 from __future__ import annotations
 
