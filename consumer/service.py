@@ -30,7 +30,7 @@ from kinference.consumer.config import ServiceConfig
 from kinference.consumer.delivery.at_least_once import AtLeastOnce
 from kinference.consumer.delivery.exactly_once import ExactlyOnce
 from kinference.consumer.delivery.member_slot import MemberSlot
-from kinference.consumer.delivery.publisher import Publisher, PublishSettings
+from kinference.consumer.delivery.publisher import DeliveryMode, Publisher, PublishSettings
 from kinference.consumer.delivery.topic_metadata import ExistingTopics
 from kinference.consumer.ledger.commit import OffsetTracker
 from kinference.consumer.ledger.commits import Commits, OffsetCommits, TransactionCommits, Transactions
@@ -189,7 +189,7 @@ class Service:
         return publisher, source
 
     def _delivery_mode(self, config: ServiceConfig, tracker: OffsetTracker,
-                       producer_config: dict[str, str]) -> tuple[AtLeastOnce | ExactlyOnce, Commits]:
+                       producer_config: dict[str, str]) -> tuple[DeliveryMode, Commits]:
         """The delivery mode's two sides on the one ledger: the publisher thread's and the poll thread's."""
         interval_s = config.commit_interval_ms / 1000
         if config.delivery == "exactly-once":
@@ -200,7 +200,7 @@ class Service:
                     TransactionCommits(tracker, transactions, config.transaction_call_timeout_s))
         return AtLeastOnce(tracker, config.dead_letter_topic), OffsetCommits(tracker, self.metrics, interval_s)
 
-    def _path(self, config: ServiceConfig, producer_config: dict[str, str], delivery: AtLeastOnce | ExactlyOnce,
+    def _path(self, config: ServiceConfig, producer_config: dict[str, str], delivery: DeliveryMode,
               tracker: TrackerT) -> tuple[Publisher, Intake[TrackerT]]:
         """The publisher, answering through ``delivery``; the models, answering through it; and the intake, which
         tracks each record in ``tracker``, decodes it and routes it to its model."""

@@ -1,7 +1,7 @@
 """The publisher: one thread owns the producer, produces what answers each finished request, and follows every
-record until the broker has it. Its delivery mode (``at_least_once.AtLeastOnce`` or ``exactly_once.ExactlyOnce``)
-says which records to produce when, and when a request counts as answered; everything in which the modes differ is
-there, and this module knows nothing of transactions.
+record until the broker has it. Its delivery mode (``DeliveryMode``: ``at_least_once.AtLeastOnce`` or
+``exactly_once.ExactlyOnce``) says which records to produce when, and when a request counts as answered; everything
+in which the modes differ is there, and this module knows nothing of transactions.
 
 Each turn of the publisher's loop, in order:
 
@@ -65,9 +65,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.delivery.answers import Delivery, InFlight, Refusal, ReplyPartitions, classify, replacement
-from kinference.consumer.delivery.at_least_once import AtLeastOnce
-from kinference.consumer.delivery.exactly_once import ExactlyOnce
+from kinference.consumer.delivery.answers import (
+    Delivery,
+    InFlight,
+    Refusal,
+    ReplyPartitions,
+    Settled,
+    classify,
+    replacement,
+)
 from kinference.consumer.ledger.budget import ByteBudget
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.logs import about
@@ -117,6 +123,33 @@ def observe(metrics: Metrics, requests: list[Request], now: float) -> None:
         observe_many(metrics.labelled(metrics.queue_wait, *labels), queued)
 
 
+class DeliveryMode(Protocol):
+    """The publisher thread's side of a delivery mode, as the publisher calls it each turn: either mode
+    (``at_least_once.AtLeastOnce``, ``exactly_once.ExactlyOnce``), never asked which."""
+
+    @property
+    def replaces_producer(self) -> bool:
+        """Whether a producer that failed for good may be replaced (else the service stops)."""
+
+    def take(self, requests: list[Request]) -> None:
+        """Finished requests (results or errors), from the inbox."""
+
+    def begin(self, producer: Any, now: float, final: bool) -> list[Delivery]:
+        """The records to produce now (``final``: the last turn before stopping)."""
+
+    def delivered(self, delivery: Delivery) -> None: ...
+
+    def refused(self, delivery: Delivery, error: KafkaError, replacements: list[Delivery] | None,
+                at_once: bool) -> list[Delivery] | None:
+        """What to produce now in place of a refused record; None: produce it again after a backoff."""
+
+    def end(self, producer: Any, in_flight: InFlight) -> Settled:
+        """What this turn answered for good."""
+
+    def close(self) -> None:
+        """The publisher leaves."""
+
+
 class Chunk(Protocol):
     """One record of a generative request's stream (``path.generations.StreamChunk``), as the publisher produces it:
     in order with its request's final, never tracked for the commit (the final is what answers the request)."""
@@ -164,7 +197,7 @@ class Publisher:
     def __init__(
         self,
         producer_config: dict[str, str],
-        delivery: AtLeastOnce | ExactlyOnce,
+        delivery: DeliveryMode,
         settings: PublishSettings,
         metrics: Metrics,
         *,
