@@ -15,6 +15,7 @@ The mode has the same two sides as exactly-once (``exactly_once``), each entered
   asynchronous commit of the positions that moved, every ``commit_interval_ms``; a synchronous one on revoke and at
   close.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,9 +32,9 @@ log = logging.getLogger(__name__)
 
 
 class AtLeastOnce:
-    """The publisher's side of at-least-once, entered from the publisher thread only. Each turn of the publisher:
-    ``take`` the finished requests, ``begin`` (their records, to produce now), the reports (``delivered``,
-    ``refused``), then ``end`` (the answered ones to their ledger)."""
+    """The publisher's side of at-least-once, entered from the publisher thread (and ``close`` from the thread that
+    stops the publisher too). Each turn of the publisher: ``take`` the finished requests, ``begin`` (their records,
+    to produce now), the reports (``delivered``, ``refused``), then ``end`` (the answered ones to their ledger)."""
 
     replaces_producer = True
     """A producer that failed for good is replaced: what it did not deliver is produced again by a new one."""

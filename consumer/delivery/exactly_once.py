@@ -79,9 +79,10 @@ class Transaction:
 
 
 class ExactlyOnce:
-    """The publisher's side of exactly-once, entered from the publisher thread only. Each turn of the publisher:
-    ``take`` the finished requests (held), ``begin`` (a transaction's records, when one is due), the reports
-    (``delivered``, ``refused``), then ``end`` (commit or abort)."""
+    """The publisher's side of exactly-once, entered from the publisher thread (and ``close`` from the thread that
+    stops the publisher too). Each turn of the publisher: ``take`` the finished requests (held), ``begin`` (a
+    transaction's records, when one is due), the reports (``delivered``, ``refused``), then ``end`` (commit or
+    abort)."""
 
     replaces_producer = False
     """A transactional producer is never replaced: initialised again, it would fence the other instance of its id."""
