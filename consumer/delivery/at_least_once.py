@@ -24,9 +24,8 @@ from typing import Any
 from confluent_kafka import KafkaError
 
 from kinference.consumer.delivery.answers import Delivery, InFlight, Settled, answer
-from kinference.consumer.ledger.commit import OffsetTracker
+from kinference.consumer.ledger.commit import Ledger
 from kinference.consumer.ledger.request import Request
-from kinference.consumer.ledger.share import ShareLedger
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ class AtLeastOnce:
     replaces_producer = True
     """A producer that failed for good is replaced: what it did not deliver is produced again by a new one."""
 
-    def __init__(self, ledger: OffsetTracker | ShareLedger, dead_letter_topic: str) -> None:
+    def __init__(self, ledger: Ledger, dead_letter_topic: str) -> None:
         self._ledger = ledger
         self._dead_letter_topic = dead_letter_topic
         self._taken: list[Request] = []
