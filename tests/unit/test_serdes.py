@@ -12,7 +12,7 @@ import pytest
 from confluent_kafka.schema_registry import SchemaRegistryClient
 
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.path.answers import reply_headers, reply_value
+from kinference.consumer.delivery.answers import reply_headers, reply_value
 from kinference.consumer.path.request import RequestDecoder
 from kinference.consumer.wire.serdes import REPLY_NAME, SchemaRegistryFormat, embedding_bytes
 from kinference.errors import ConfigError, RequestError
