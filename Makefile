@@ -21,7 +21,7 @@ KAFKA_TESTS ?= tests/integration/test_service.py tests/integration/test_client.p
 	tests/integration/test_offset_gaps.py tests/faults/test_hostile_input.py \
 	tests/faults/test_exactly_once_crash.py tests/faults/test_exactly_once_faults.py tests/faults/test_rebalance.py \
 	tests/faults/test_crash.py tests/faults/test_shutdown.py tests/faults/test_exit.py tests/faults/test_share_groups.py \
-	tests/faults/test_generate_faults.py
+	tests/faults/test_generate_faults.py tests/faults/test_generate_engine_faults.py
 
 MLSERVER_SPEC ?= mlserver==1.7.1
 
