@@ -47,10 +47,14 @@ def reference(model: Path, texts: list[str]) -> torch.Tensor:
 
 
 def assert_equal_to(vector: dict[str, Any], expected: torch.Tensor) -> None:
+    """The reply's nonzero weights, indices ascending, are the reference's vector within 1e-4 (compared whole: an
+    index whose weight is a rounding error above 0 in one and 0 in the other still agrees)."""
     indices, values = np.asarray(vector["indices"]), np.asarray(vector["values"])
-    assert list(indices) == sorted(indices) and (values > 0).all()
-    assert list(indices) == expected.nonzero().flatten().tolist()
-    np.testing.assert_allclose(values, expected[indices].numpy(), atol=1e-4)
+    assert list(indices) == sorted(set(indices)) and (values > 0).all()
+    assert 10 <= len(indices) < len(expected) / 10  # sparse, and not empty: the comparison means something
+    dense = np.zeros(len(expected), dtype=np.float32)
+    dense[indices] = values
+    np.testing.assert_allclose(dense, expected.numpy(), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("max_batch_size", [32, 2])  # 2: the rows run in parts of 2
@@ -81,11 +85,11 @@ def test_an_input_list_shares_the_batch_with_single_texts_and_is_answered_as_a_l
 def test_sum_pooling_and_a_saved_max_active_dims_are_read_from_the_model(tmp_path: Path) -> None:
     model = build_tiny_sparse_encoder(tmp_path, pooling="sum", seed=2)
     settings = model / "config_sentence_transformers.json"
-    settings.write_text(json.dumps({**json.loads(settings.read_text()), "max_active_dims": 7}))
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "max_active_dims": 12}))
     replies = serve(set_up(model), [{"text": text} for text in TEXTS[:4]])
     expected = reference(model, TEXTS[:4])
     for reply, row in zip(replies, expected, strict=True):
-        assert len(reply["indices"]) == 7
+        assert len(reply["indices"]) == 12 and (row > 0).sum() == 12
         assert_equal_to(reply, row)
 
 
