@@ -31,7 +31,7 @@ from transformers import AutoModelForSequenceClassification
 
 from kinference.errors import HandlerLoadError, InvalidInput
 from kinference.handlers.options import positive_int
-from kinference.handlers.rows import RowsHandler, Text, read_json
+from kinference.handlers.rows import RowsHandler, Text, read_object
 from kinference.handlers.text import TextHandler
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class RerankHandler(RowsHandler):
         if self.config.num_labels != 1:
             raise HandlerLoadError(f"{self.name}: the model has {self.config.num_labels} labels; a reranker has one "
                                    "(CrossEncoder.rank takes only those): serve it with --handler text-classification")
-        saved = read_json(self.model_dir / "config_sentence_transformers.json", {})
+        saved = read_object(self.model_dir / "config_sentence_transformers.json")
         self.activation, path = _activation(self.config, saved)
         log.info("%s: scores are the logit through %s (max_length %d)", self.name, path, self.max_length)
 
@@ -109,7 +109,8 @@ class RerankHandler(RowsHandler):
         return scores.squeeze(-1)
 
     def to_host(self, rows: torch.Tensor) -> list[float]:
-        return rows.float().cpu().tolist()  # type: ignore[no-any-return]  # a 1-d tensor: a list of floats
+        scores: list[float] = rows.float().cpu().tolist()
+        return scores
 
     def answer(self, request: RerankRequest, rows: list[float], tokens: int) -> dict[str, Any]:
         # sorted() is stable: equal scores keep the documents' order, as CrossEncoder.rank's sort keeps it.

@@ -22,7 +22,7 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -31,8 +31,6 @@ from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 from kinference.errors import HandlerLoadError, InvalidInput
 from kinference.handlers.base import HandlerContext
 from kinference.handlers.text import TextBatch, TextHandler, TextItem, check_model_dir
-
-T = TypeVar("T")
 
 Text = str | tuple[str, str]
 """One row's input: a text, or a pair of texts tokenised as one sequence (a query and a document)."""
@@ -81,7 +79,7 @@ class RowsHandler(TextHandler):
         """The reply of one request from its rows' results (``to_host``'s, in the order ``read`` gave the texts) and
         the tokens they took."""
 
-    def validate(self, payload: Any) -> RowsItem:
+    def validate(self, payload: Any) -> RowsItem:  # type: ignore[override]  # a RowsItem, not a TextItem
         (result,) = self.validate_many([payload])
         if isinstance(result, InvalidInput):
             raise result
@@ -160,7 +158,7 @@ def saved_max_length(handler: str, model_dir: Path) -> int:
     ``model_dir``: a saved ``model_max_length`` (``sentence_bert_config.json``'s processor or tokenizer arguments, or
     its older ``max_seq_length``) as it is; else the tokenizer's ``model_max_length`` capped at the model's positions.
     ``CrossEncoder`` and ``SparseEncoder`` truncate there, so the handlers do too."""
-    saved = read_json(model_dir / "sentence_bert_config.json", {}) if (model_dir / "modules.json").is_file() else {}
+    saved = read_object(model_dir / "sentence_bert_config.json") if (model_dir / "modules.json").is_file() else {}
     arguments = saved.get("processor_kwargs") or saved.get("tokenizer_args") or {}
     given = arguments.get("model_max_length", saved.get("max_seq_length"))
     if given is not None:
@@ -174,15 +172,25 @@ def saved_max_length(handler: str, model_dir: Path) -> int:
     return int(limit)
 
 
-def read_json(path: Path, default: T) -> T:
-    """The JSON value in ``path`` where it is of ``default``'s type (a model's settings file); else ``default``."""
+def read_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (a model's settings file); {} where there is none."""
+    value = _read_json(path)
+    return value if isinstance(value, dict) else {}
+
+
+def read_array(path: Path) -> list[Any]:
+    """The JSON array in ``path`` (``modules.json``); [] where there is none."""
+    value = _read_json(path)
+    return value if isinstance(value, list) else []
+
+
+def _read_json(path: Path) -> Any:
     if not path.is_file():
-        return default
+        return None
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise HandlerLoadError(f"cannot read {path}: {exc}") from exc
-    return value if isinstance(value, type(default)) else default
 
 
 def _cut(batch: TextBatch, most: int) -> list[TextBatch]:

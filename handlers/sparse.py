@@ -30,7 +30,7 @@ from transformers import AutoModelForMaskedLM
 
 from kinference.errors import HandlerLoadError
 from kinference.handlers.options import positive_int
-from kinference.handlers.rows import RowsHandler, Text, read_json
+from kinference.handlers.rows import RowsHandler, Text, read_array, read_object
 from kinference.handlers.text import TextHandler, validate_text
 from kinference.openai import read_embeddings_request
 
@@ -65,7 +65,7 @@ class SparseHandler(RowsHandler):
 
     def configure(self, options: dict[str, Any]) -> None:
         self.splade, layout = _splade(self.model_dir)
-        saved = read_json(self.model_dir / "config_sentence_transformers.json", {}).get("max_active_dims")
+        saved = read_object(self.model_dir / "config_sentence_transformers.json").get("max_active_dims")
         given = options["max_active_dims"] if options["max_active_dims"] is not None else saved
         self.max_active_dims = None if given is None else positive_int(self.name, "max_active_dims", given)
         log.info("%s: %s: SPLADE %s pooling of %s, max_length %d, max_active_dims %s", self.name, layout,
@@ -80,7 +80,7 @@ class SparseHandler(RowsHandler):
     def reduce(self, output: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         # SpladePooling's steps, in the model's dtype as it computes them: padding's logits set to 0 (they vanish
         # under relu), log1p(relu), an optional second log1p, then the max or sum over the tokens.
-        logits = output.logits
+        logits: torch.Tensor = output.logits
         weights = (logits * inputs["attention_mask"].unsqueeze(-1).to(logits.dtype)).relu_().log1p_()
         if self.splade.activation == "log1p_relu":
             weights = weights.log1p_()
@@ -112,14 +112,14 @@ class SparseHandler(RowsHandler):
 def _splade(model_dir: Path) -> tuple[Splade, str]:
     """The pooling the model's ``modules.json`` names, and which layout was read; SPLADE's max pooling of
     ``log1p(relu)`` for a plain masked-LM directory. A module this handler does not compute fails setup, named."""
-    modules = [module for module in read_json(model_dir / "modules.json", []) if isinstance(module, dict)]
+    modules = [module for module in read_array(model_dir / "modules.json") if isinstance(module, dict)]
     if not modules:
         return Splade(), "a plain masked-LM directory (no modules.json)"
     kinds = [str(module.get("type")) for module in modules]
     if len(kinds) != 2 or kinds[0] not in MASKED_LM_MODULES or kinds[1] not in SPLADE_POOLING:
         raise HandlerLoadError(f"sparse: {model_dir}/modules.json lists {', '.join(kinds)}; the sparse handler "
                                "computes a masked-LM Transformer followed by SpladePooling only")
-    config = read_json(model_dir / str(modules[1].get("path", "")) / "config.json", {})
+    config = read_object(model_dir / str(modules[1].get("path", "")) / "config.json")
     splade = Splade(config.get("pooling_strategy", "max"), config.get("activation_function", "relu"))
     if splade.pooling not in ("max", "sum") or splade.activation not in ("relu", "log1p_relu"):
         raise HandlerLoadError(f"sparse: unknown SpladePooling settings in {model_dir}: {config}")

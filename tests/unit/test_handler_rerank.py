@@ -62,7 +62,7 @@ def test_scores_equal_cross_encoder_rank_with_documents_of_very_different_length
 
 def test_two_requests_share_a_batch_and_each_gets_its_own_ranking(cross_encoder: Path) -> None:
     handler = set_up(cross_encoder)
-    other_query, other_documents = "a blue river", DOCUMENTS[3:] + ["music on the stream"]
+    other_query, other_documents = "a blue river", [*DOCUMENTS[3:], "music on the stream"]
     items = handler.validate_many([{"query": QUERY, "documents": DOCUMENTS},
                                    {"query": other_query, "documents": other_documents}])
     batch = handler.preprocess(items)
@@ -105,7 +105,8 @@ def test_the_device_process_path_merges_workers_batches_and_answers_one_entry_pe
     host.setup(HandlerContext(device="cpu", model=cross_encoder, role="host"))
     device = set_up(cross_encoder, max_batch_size=4, shape_buckets=True)
     first = host.validate_many([{"query": QUERY, "documents": DOCUMENTS}])
-    second = host.validate_many([{"query": "blue", "documents": ["a", "blue river"]}, {"query": "x", "documents": ["y"]}])
+    second = host.validate_many([{"query": "blue", "documents": ["a", "blue river"]},
+                                 {"query": "x", "documents": ["y"]}])
     outputs = device.inference(device.merge([host.preprocess(first), host.preprocess(second)]))
     assert len(outputs) == 3  # one entry per request, as the device process hands rows back per item
     replies = host.postprocess(outputs[:1], first) + host.postprocess(outputs[1:], second)
