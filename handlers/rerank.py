@@ -90,6 +90,7 @@ class RerankHandler(RowsHandler):
         if not isinstance(return_documents, bool):
             raise InvalidInput(f'"return_documents" must be true or false, not {return_documents!r}')
         request = RerankRequest(tuple(documents), top_n, return_documents)
+        query = self.prompts.of(payload) + query
         return [(query, document) for document in documents], request
 
     def _text(self, payload: dict[str, Any], key: str) -> str:

@@ -55,6 +55,42 @@ class RowsBatch:
     """How many rows each item has, in item order."""
 
 
+@dataclass(frozen=True, slots=True)
+class Prompts:
+    """A sentence-transformers model's ``prompts`` and ``default_prompt_name`` (``config_sentence_transformers.json``),
+    applied as ``CrossEncoder.rank`` and ``SparseEncoder.encode`` apply them: a request names one (``"prompt_name"``)
+    or gives its own (``"prompt"``); else the model's default prompt, if it names one. The prompt goes before the text
+    (before a pair's first text, the query), and its tokens count as the text's."""
+
+    prompts: dict[str, str]
+    default: str
+
+    @classmethod
+    def saved(cls, model_dir: Path) -> Prompts:
+        config = read_object(model_dir / "config_sentence_transformers.json")
+        saved = config.get("prompts")
+        prompts = {name: text for name, text in (saved if isinstance(saved, dict) else {}).items()
+                   if isinstance(text, str)}
+        default = config.get("default_prompt_name")
+        return cls(prompts, prompts.get(default, "") if isinstance(default, str) else "")
+
+    def of(self, payload: dict[str, Any]) -> str:
+        """The prompt for ``payload``; ``InvalidInput`` for a prompt it cannot have."""
+        name, prompt = payload.get("prompt_name"), payload.get("prompt")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidInput(f'"prompt" must be a string, not {prompt!r}')
+            if name is not None:
+                raise InvalidInput('give "prompt" or "prompt_name", not both')
+            return prompt
+        if name is None:
+            return self.default
+        if not isinstance(name, str) or name not in self.prompts:
+            known = ", ".join(repr(known) for known in self.prompts) or "none"
+            raise InvalidInput(f'"prompt_name" {name!r} is not one of the model\'s prompts ({known})')
+        return self.prompts[name]
+
+
 class RowsHandler(TextHandler):
     """Base of the text handlers whose requests take one row per text (or text pair); see the module's docstring."""
 
@@ -66,6 +102,7 @@ class RowsHandler(TextHandler):
             check_model_dir(self.name, context.model)
             limit = saved_max_length(self.name, context.model)
             context = replace(context, options={**context.options, "max_length": limit})
+        self.prompts = Prompts.saved(self.model_dir)
         super().setup(context)
         # The most rows one forward pass takes: the micro-batch size, the largest row bucket.
         self.part_rows = context.max_batch_size

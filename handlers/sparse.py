@@ -73,9 +73,11 @@ class SparseHandler(RowsHandler):
 
     def read(self, payload: Any) -> tuple[Sequence[Text], SparseRequest]:
         if not isinstance(payload, dict) or "input" not in payload:
-            return [validate_text(payload, self.max_chars)], SparseRequest(listed=False)
-        texts = read_embeddings_request(payload).texts
-        return [validate_text({"text": text}, self.max_chars) for text in texts], SparseRequest(listed=True)
+            texts = [validate_text(payload, self.max_chars)]
+        else:
+            texts = [validate_text({"text": text}, self.max_chars) for text in read_embeddings_request(payload).texts]
+        prompt = self.prompts.of(payload)
+        return [prompt + text for text in texts], SparseRequest(listed="input" in payload)
 
     def reduce(self, output: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         # SpladePooling's steps, in the model's dtype as it computes them: padding's logits set to 0 (they vanish

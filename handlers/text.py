@@ -208,6 +208,7 @@ class TextHandler(Handler):
         self._encoder = encoder(self.tokenizer, self.max_length)
         self._token_types = "token_type_ids" in self.tokenizer.model_input_names
         self._onnx = None
+        self.configure(options)  # before the weights: dtype=auto's check below calls reduce, which may read options
         if context.role == "host":
             # A worker beside a device process: tokenise, collate on the host, write replies; no weights, and the
             # device options (buckets, AMP, compile) are the device process's.
@@ -227,14 +228,14 @@ class TextHandler(Handler):
             self.dtype = dtype
             self._onnx = forward_for(self.name, options, self.model, self._export_example, self.device, dtype)
             self._forward = self._onnx or self.accelerator.compile(self.model)
-        self.configure(options)
 
     def default_model(self) -> tuple[str, Path]:
         """Name and directory of the model used without ``--model``."""
         raise HandlerLoadError(f"{self.name} needs --model <local dir>")
 
     def configure(self, options: dict[str, Any]) -> None:
-        """Read the subclass's own options; the model is loaded by then."""
+        """Read the subclass's own options; the tokenizer and the model's configuration are loaded by then, not its
+        weights."""
 
     def _export_example(self) -> dict[str, torch.Tensor]:
         """A batch for the ONNX exporter to trace: two rows, 16 tokens (no size 1, which tracing could fix)."""
@@ -245,7 +246,9 @@ class TextHandler(Handler):
         """``dtype=auto`` on CUDA: float16 weights, or else bfloat16, where a warm-up batch's results agree with
         float32 (cosine >= ``AGREEMENT`` for every row); float32 where neither does. Half the memory and bandwidth,
         and tensor cores."""
-        batch = self.accelerator.to_device(self._collate(self.sample_rows(16), 16, min(64, self.max_length)).tensors)
+        rows = self.sample_rows(16)
+        longest = max(len(row.input_ids) for row in rows)
+        batch = self.accelerator.to_device(self._collate(rows, len(rows), longest).tensors)
         with torch.inference_mode():
             reference = self.reduce(model(**batch), batch)
             for candidate in (torch.float16, torch.bfloat16):

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kinference.errors import HandlerLoadError, InvalidInput
 from kinference.handlers import HandlerContext
@@ -154,3 +155,31 @@ def test_a_classifier_of_several_labels_is_refused_at_setup(tmp_path: Path) -> N
 def test_rerank_needs_a_model_directory() -> None:
     with pytest.raises(HandlerLoadError, match="rerank needs --model"):
         RerankHandler().setup(HandlerContext(device="cpu"))
+
+
+def test_the_models_prompts_mixed_in_one_batch_equal_cross_encoder_rank_with_them(tmp_path: Path) -> None:
+    model = build_tiny_cross_encoder(tmp_path, seed=9)
+    settings = model / "config_sentence_transformers.json"
+    prompts = {"query": "query: ", "judge": "Judge the relevance of this passage: "}
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "prompts": prompts,
+                                    "default_prompt_name": "query"}))
+    handler = set_up(model)
+    replies = serve(handler, [{"query": QUERY, "documents": DOCUMENTS},
+                              {"query": QUERY, "documents": DOCUMENTS, "prompt_name": "judge"},
+                              {"query": QUERY, "documents": DOCUMENTS, "prompt": "rank: "}])
+    assert_ranked_as(replies[0], reference(model, QUERY, DOCUMENTS))  # the default prompt
+    assert_ranked_as(replies[1], reference(model, QUERY, DOCUMENTS, prompt_name="judge"))
+    assert_ranked_as(replies[2], reference(model, QUERY, DOCUMENTS, prompt="rank: "))
+    assert replies[0]["results"] != replies[1]["results"]  # the prompt changed the scores: the test can tell
+    with pytest.raises(InvalidInput, match="\"prompt_name\" 'passage' is not one of the model's prompts"):
+        handler.validate({"query": QUERY, "documents": ["a"], "prompt_name": "passage"})
+    with pytest.raises(InvalidInput, match='give "prompt" or "prompt_name", not both'):
+        handler.validate({"query": QUERY, "documents": ["a"], "prompt_name": "judge", "prompt": "x"})
+
+
+def test_dtype_auto_compares_precisions_on_pairs(cross_encoder: Path) -> None:
+    # What dtype=auto does on CUDA at setup, run here on the CPU: the warm-up rows are query-document pairs.
+    handler = set_up(cross_encoder)
+    assert len(handler.sample_rows(16)) == 16
+    _, dtype = handler._reduced_precision(handler.model)
+    assert dtype in (torch.float16, torch.bfloat16, torch.float32)

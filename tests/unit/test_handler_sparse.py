@@ -129,3 +129,20 @@ def test_a_model_with_modules_the_handler_does_not_compute_is_refused(tmp_path: 
     (model / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(HandlerLoadError, match="masked-LM Transformer followed by SpladePooling only"):
         set_up(model)
+
+
+def test_a_prompt_goes_before_every_text_as_sparse_encoder_puts_it(sparse_encoder: Path) -> None:
+    handler = set_up(sparse_encoder)
+    plain, prompted = serve(handler, [{"input": TEXTS[:3]}, {"input": TEXTS[:3], "prompt": "query: "}])
+    from sentence_transformers import SparseEncoder
+
+    expected = SparseEncoder(str(sparse_encoder), device="cpu").encode(TEXTS[:3], prompt="query: ").to_dense()
+    for entry, row in zip(prompted["data"], expected, strict=True):
+        assert_equal_to(entry, row)
+    assert plain["data"][0]["indices"].tolist() != prompted["data"][0]["indices"].tolist()
+
+
+def test_dtype_auto_compares_precisions_on_sparse_rows(sparse_encoder: Path) -> None:
+    handler = set_up(sparse_encoder)
+    _, dtype = handler._reduced_precision(handler.model)
+    assert dtype in (torch.float16, torch.bfloat16, torch.float32)
