@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,12 +33,18 @@ from transformers import AutoModelForSequenceClassification
 from kinference.errors import HandlerLoadError, InvalidInput
 from kinference.handlers.options import positive_int
 from kinference.handlers.rows import RowsHandler, Text, read_object
-from kinference.handlers.text import TextHandler
+from kinference.handlers.text import TextHandler, encoder
 
 log = logging.getLogger(__name__)
 
 MAX_DOCUMENTS = 1000
 """Cohere's rerank API takes at most 1000 documents a request: the same default bound."""
+
+QUERY_CHARS_PER_TOKEN = 8
+"""A query of fewer characters than this many per ``max_length`` token is used whole, without a look at where its
+tokens end (English runs at about 4 characters a token)."""
+
+_WHITESPACE = re.compile(r"\s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +63,8 @@ class RerankHandler(RowsHandler):
 
     def configure(self, options: dict[str, Any]) -> None:
         self.max_documents = positive_int(self.name, "max_documents", options["max_documents"])
+        self._whole = encoder(self.tokenizer, self.max_length)
+        self._whole.no_truncation()  # a long query's and documents' whole lengths, for where a query can be cut
         architectures = getattr(self.config, "architectures", None) or []
         if any(name.endswith("ForCausalLM") for name in architectures):
             raise HandlerLoadError(f"{self.name}: {architectures[0]} is a causal language model; rerank serves "
@@ -90,7 +99,7 @@ class RerankHandler(RowsHandler):
         if not isinstance(return_documents, bool):
             raise InvalidInput(f'"return_documents" must be true or false, not {return_documents!r}')
         request = RerankRequest(tuple(documents), top_n, return_documents)
-        query = self.prompts.of(payload) + query
+        query = self._usable(self.prompts.of(payload) + query, documents)
         return [(query, document) for document in documents], request
 
     def _text(self, payload: dict[str, Any], key: str) -> str:
@@ -103,6 +112,25 @@ class RerankHandler(RowsHandler):
             raise InvalidInput(f'"{key}" has {len(text)} characters, more than the limit of {self.max_chars} '
                                "(handler option max_chars)")
         return text
+
+    def _usable(self, query: str, documents: list[str]) -> str:
+        """``query`` without the words that change no pair. The query is tokenised again in every pair, so a long one
+        would cost the poll thread its length times the documents; cut, each pair tokenises about ``max_length``
+        tokens of it, the tokens the pair is priced at.
+
+        What a pair keeps of a query past the limit depends only on whether the query is longer than the document
+        (``longest_first`` gives the longer one the odd token), so the cut keeps more tokens than the limit and than
+        every document shorter than the whole query, and falls at the first whitespace after them, where the words
+        before tokenise as they did. Only with right truncation, the tokenizer's usual side."""
+        if len(query) <= QUERY_CHARS_PER_TOKEN * self.max_length or self.tokenizer.truncation_side != "right":
+            return query
+        tokens = self._whole.encode(query, add_special_tokens=False).offsets
+        if len(tokens) <= self.max_length:
+            return query
+        lengths = [len(encoding) for encoding in self._whole.encode_batch_fast(documents, add_special_tokens=False)]
+        keep = max([self.max_length, *(length for length in lengths if length < len(tokens))]) + 1
+        space = _WHITESPACE.search(query, tokens[keep - 1][1]) if keep < len(tokens) else None
+        return query if space is None else query[: space.start()]
 
     def reduce(self, output: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         # As CrossEncoder.predict: the logits in float32 (ties broken as it breaks them), the activation, one score.

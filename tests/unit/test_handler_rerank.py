@@ -183,3 +183,17 @@ def test_dtype_auto_compares_precisions_on_pairs(cross_encoder: Path) -> None:
     assert len(handler.sample_rows(16)) == 16
     _, dtype = handler._reduced_precision(handler.model)
     assert dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+def test_a_query_far_past_the_limit_scores_as_cross_encoder_scores_it_whole(cross_encoder: Path) -> None:
+    handler = set_up(cross_encoder)
+    query = " ".join(varied_texts(40, seed=5, max_words=60))  # about 1,300 words: 10 times what a pair can keep
+    documents = [*DOCUMENTS, query + " and then some more"]  # one document longer than the query
+    assert len(handler._usable(query, documents)) < len(query) / 4  # tokenised in each pair: a part of it
+    item = handler.validate({"query": query, "documents": documents})
+    # Each pair was tokenised from the query's first words only, and is what the whole query gives: the document
+    # past the limit but shorter than the query still gets the smaller half of a pair cut in two, the one longer
+    # than the query the larger.
+    assert all(len(row.input_ids) == 128 for row in item.rows)
+    (reply,) = serve(handler, [{"query": query, "documents": documents}])
+    assert_ranked_as(reply, reference(cross_encoder, query, documents))
