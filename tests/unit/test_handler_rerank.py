@@ -50,11 +50,15 @@ def assert_ranked_as(reply: dict[str, Any], expected: list[dict[str, Any]]) -> N
         assert result["relevance_score"] == pytest.approx(entry["score"], abs=1e-4)
 
 
-@pytest.mark.parametrize("max_batch_size", [32, 3])  # 3: the pairs run in parts of 3 rows
+@pytest.mark.parametrize(("max_batch_size", "options"), [
+    (32, {}),
+    (3, {"shape_buckets": True}),  # the pairs run in parts of 3 rows, each padded to a bucket shape
+    (32, {"runtime": "onnxruntime"}),
+], ids=["eager", "parts-of-3-bucketed", "onnxruntime"])
 def test_scores_equal_cross_encoder_rank_with_documents_of_very_different_lengths(
-    cross_encoder: Path, max_batch_size: int
+    cross_encoder: Path, max_batch_size: int, options: dict[str, Any]
 ) -> None:
-    handler = set_up(cross_encoder, max_batch_size)
+    handler = set_up(cross_encoder, max_batch_size, **options)
     assert handler.max_length == 128  # CrossEncoder's: the tokenizer's 512, capped at the model's positions
     (reply,) = serve(handler, [{"query": QUERY, "documents": DOCUMENTS}])
     assert_ranked_as(reply, reference(cross_encoder, QUERY, DOCUMENTS))

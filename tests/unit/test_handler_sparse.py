@@ -57,11 +57,15 @@ def assert_equal_to(vector: dict[str, Any], expected: torch.Tensor) -> None:
     np.testing.assert_allclose(dense, expected.numpy(), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("max_batch_size", [32, 2])  # 2: the rows run in parts of 2
+@pytest.mark.parametrize(("max_batch_size", "options"), [
+    (32, {}),
+    (2, {"shape_buckets": True}),  # the rows run in parts of 2, each padded to a bucket shape
+    (32, {"runtime": "onnxruntime"}),
+], ids=["eager", "parts-of-2-bucketed", "onnxruntime"])
 def test_vectors_equal_sparse_encoder_encode_with_texts_of_very_different_lengths(
-    sparse_encoder: Path, max_batch_size: int
+    sparse_encoder: Path, max_batch_size: int, options: dict[str, Any]
 ) -> None:
-    handler = set_up(sparse_encoder, max_batch_size)
+    handler = set_up(sparse_encoder, max_batch_size, **options)
     assert handler.max_length == 128
     replies = serve(handler, [{"text": text} for text in TEXTS])
     expected = reference(sparse_encoder, TEXTS)
