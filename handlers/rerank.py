@@ -12,6 +12,9 @@ The score is the model's logit through the cross-encoder's activation: the one i
 ``CrossEncoder`` applies to a one-label model. Each pair is one row of the batch (handlers/rows.py), tokenised as
 one sequence and cut the way ``CrossEncoder`` cuts it: at the model's ``max_length`` (its saved
 ``max_seq_length``, else the tokenizer's limit capped at the model's positions), the longer of the two texts first.
+The model's default prompt, or the request's ``prompt_name`` or ``prompt``, goes before the query, as
+``CrossEncoder.rank`` puts it (handlers/rows.py's ``Prompts``). A query far past the limit is cut before it is paired
+to what any pair can keep of it (``_usable``), so the poll thread does not tokenise it whole once per document.
 
 Options: ``max_documents`` (default 1000, Cohere's own bound: a request past it is refused, the poll thread tokenises
 every pair of a request as it arrives), and those of every text handler (handlers/text.py; ``max_length`` defaults to

@@ -201,3 +201,17 @@ def test_a_query_far_past_the_limit_scores_as_cross_encoder_scores_it_whole(cros
     assert all(len(row.input_ids) == 128 for row in item.rows)
     (reply,) = serve(handler, [{"query": query, "documents": documents}])
     assert_ranked_as(reply, reference(cross_encoder, query, documents))
+
+
+def test_the_max_length_a_cross_encoder_was_saved_with_cuts_the_pairs(tmp_path: Path) -> None:
+    from sentence_transformers import CrossEncoder
+
+    plain = build_tiny_cross_encoder(tmp_path / "plain", sentence_transformers=False, seed=4)
+    CrossEncoder(str(plain), max_length=64, device="cpu").save(str(tmp_path / "saved"))  # in tokenizer_config.json
+    handler = set_up(tmp_path / "saved")
+    assert handler.max_length == 64
+    (reply,) = serve(handler, [{"query": QUERY, "documents": DOCUMENTS}])
+    assert_ranked_as(reply, reference(tmp_path / "saved", QUERY, DOCUMENTS))
+    settings = tmp_path / "saved" / "sentence_bert_config.json"  # the older place: sentence_bert_config.json
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "max_seq_length": 48}))
+    assert set_up(tmp_path / "saved").max_length == 48 == CrossEncoder(str(tmp_path / "saved")).max_seq_length
