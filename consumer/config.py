@@ -261,8 +261,8 @@ class ServiceConfig(BaseModel):
 
     # --- Model
     handler: str = Field(
-        "embedding", description="echo, embedding, text-classification, image-classification, torchserve, sim, "
-        "or module:Class.",
+        "embedding", description="echo, embedding, text-classification, rerank, sparse, image-classification, "
+        "torchserve, sim, generate, or module:Class.",
     )
     model: Path | None = Field(
         None, description="Local model directory, or file for image-classification and torchserve (a .mar) "

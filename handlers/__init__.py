@@ -15,6 +15,8 @@ BUILTIN = {
     "image-classification": "kinference.handlers.image:ImageClassificationHandler",
     "torchserve": "kinference.handlers.torchserve:TorchServeHandler",
     "generate": "kinference.handlers.generate:GenerateHandler",
+    "rerank": "kinference.handlers.rerank:RerankHandler",
+    "sparse": "kinference.handlers.sparse:SparseHandler",
 }
 
 __all__ = ["BUILTIN", "Handler", "HandlerContext", "handler_class", "load_handler"]

@@ -64,7 +64,7 @@ class SimulatedAccelerator(EmbeddingHandler):
         self.per_token_s = _non_negative(options, "per_token_us") / 1_000_000
         self._width = int(self.config.hidden_size)
 
-    def inference(self, inputs: TextBatch) -> torch.Tensor:
+    def forward_rows(self, inputs: TextBatch) -> torch.Tensor:
         assert self._device is not None, "inference runs in the device process"
         done_at = self._device.queue(self.fixed_s + self.per_token_s * inputs.tensors["input_ids"].numel())
         time.sleep(max(0.0, done_at - time.monotonic()))  # releases the GIL, as waiting for a GPU does

@@ -208,6 +208,7 @@ class TextHandler(Handler):
         self._encoder = encoder(self.tokenizer, self.max_length)
         self._token_types = "token_type_ids" in self.tokenizer.model_input_names
         self._onnx = None
+        self.configure(options)  # before the weights: dtype=auto's check below calls reduce, which may read options
         if context.role == "host":
             # A worker beside a device process: tokenise, collate on the host, write replies; no weights, and the
             # device options (buckets, AMP, compile) are the device process's.
@@ -227,14 +228,14 @@ class TextHandler(Handler):
             self.dtype = dtype
             self._onnx = forward_for(self.name, options, self.model, self._export_example, self.device, dtype)
             self._forward = self._onnx or self.accelerator.compile(self.model)
-        self.configure(options)
 
     def default_model(self) -> tuple[str, Path]:
         """Name and directory of the model used without ``--model``."""
         raise HandlerLoadError(f"{self.name} needs --model <local dir>")
 
     def configure(self, options: dict[str, Any]) -> None:
-        """Read the subclass's own options; the model is loaded by then."""
+        """Read the subclass's own options; the tokenizer and the model's configuration are loaded by then, not its
+        weights."""
 
     def _export_example(self) -> dict[str, torch.Tensor]:
         """A batch for the ONNX exporter to trace: two rows, 16 tokens (no size 1, which tracing could fix)."""
@@ -245,8 +246,9 @@ class TextHandler(Handler):
         """``dtype=auto`` on CUDA: float16 weights, or else bfloat16, where a warm-up batch's results agree with
         float32 (cosine >= ``AGREEMENT`` for every row); float32 where neither does. Half the memory and bandwidth,
         and tensor cores."""
-        batch = self.accelerator.to_device(self._collate(
-            self.validate_many(self.calibration_payloads(16)), 16, min(64, self.max_length)).tensors)
+        rows = self.sample_rows(16)
+        longest = max(len(row.input_ids) for row in rows)
+        batch = self.accelerator.to_device(self._collate(rows, len(rows), longest).tensors)
         with torch.inference_mode():
             reference = self.reduce(model(**batch), batch)
             for candidate in (torch.float16, torch.bfloat16):
@@ -336,17 +338,21 @@ class TextHandler(Handler):
         tensors = {name: self.accelerator.host(tensor) for name, tensor in merged.items()}
         return TextBatch(tensors, real_rows=rows, real_tokens=sum(batch.real_tokens for batch in inputs))
 
-    def calibration_payloads(self, count: int) -> list[dict[str, str]]:
+    def sample_rows(self, count: int) -> list[TextItem]:
+        """``count`` rows of the expected traffic, tokenised: what ``dtype=auto`` compares precisions on."""
+        return list(self.validate_many(self.calibration_payloads(count)))
+
+    def calibration_payloads(self, count: int) -> list[Any]:
         from kinference.loadgen.corpus import builtin_corpus
 
         return builtin_corpus(self.calibration_corpus, count)
 
     def warm_up(self) -> None:
         """Run one tiny batch; with shape buckets, one batch of every bucket shape (this compiles them all)."""
-        item = self.validate({"text": "warm up"})
+        item = self._item("warm up", self._encoder.encode("warm up"))  # a row, whatever a request looks like
         buckets = self.accelerator.buckets
         for rows, length in [(1, len(item.input_ids))] if buckets is None else buckets.all():
-            self.inference(self._collate([item], rows, length))
+            self.forward_rows(self._collate([item], rows, length))
         if isinstance(self._forward, CudaGraphs):  # every bucket shape is captured: nothing new while serving
             self._forward.capturing = False
 
@@ -354,14 +360,23 @@ class TextHandler(Handler):
         # Padded counts every row and column computed, bucket padding included: what the padding metric is for.
         return inputs.real_tokens, inputs.tensors["input_ids"].numel()
 
-    def inference(self, inputs: TextBatch) -> torch.Tensor:
+    def inference(self, inputs: TextBatch) -> Any:
+        return self.forward_rows(inputs)
+
+    def forward_rows(self, inputs: TextBatch) -> Any:
+        """The batch run through the model, its real rows brought to the host (``to_host``)."""
         accelerator = self.accelerator
         with accelerator.stream(), torch.inference_mode(), accelerator.autocast():
             tensors = accelerator.to_device(inputs.tensors)
             rows = self.reduce(self._forward(**tensors), tensors)[: inputs.real_rows]
-            # A blocking copy, issued on this thread's stream: it returns once that stream has finished the
-            # batch, so postprocess reads final values.
-            return rows.float().cpu()
+            return self.to_host(rows)
+
+    def to_host(self, rows: torch.Tensor) -> Any:
+        """``reduce``'s rows, still on the device, as ``inference`` returns them: float32 on the CPU. A handler whose
+        rows are wide and mostly zero (sparse) brings back less."""
+        # A blocking copy, issued on this thread's stream: it returns once that stream has finished the batch, so
+        # postprocess reads final values.
+        return rows.float().cpu()
 
     @abstractmethod
     def reduce(self, output: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

