@@ -161,10 +161,11 @@ _SLOT = 16
 items in eight slots), an eighth more in a long one."""
 _LIST = 56
 """An empty list, paid by the count that ends the array (its first four slots by the count before the items)."""
-_MAP_ENTRY = 40
-"""A dict's share per key past its first few (its hash table grows by doubling: ~35 bytes measured)."""
-_MAP = 184
-"""A dict with its first table (up to five keys)."""
+_MAP_ENTRY = 60
+"""A dict's share per key: its first table (120 bytes, up to five keys) paid by the first key and count (two bytes
+or more), then ~35 bytes a key as the table doubles."""
+_MAP = 64
+"""An empty dict, paid by the count that ends the map."""
 _PER_BYTE = {"boolean": 0, "int": 32, "long": 32, "float": 8, "double": 4, "string": 28, "bytes": 24, "enum": 0}
 """Bytes held per byte read, at most, for each scalar type (each takes a byte or more): an int of one varint byte is
 a 32-byte object (small ones are shared); a string of 2 bytes and its length a 76-byte object (a UCS-2 character:
