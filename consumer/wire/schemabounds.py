@@ -290,7 +290,8 @@ class AvroHeld:
         if kind == "map":  # each key: its string, its entry and a value of nulls
             return max(_MAP, _PER_BYTE["string"] + _MAP_ENTRY + self._unpaid(schema["values"]))
         if kind == "fixed":
-            return logical + _aligned(sys.getsizeof(b"") + schema["size"]) / schema["size"]
+            size = int(schema["size"])
+            return logical + _aligned(sys.getsizeof(b"") + size) / size
         return logical + _PER_BYTE.get(kind, 0)
 
 
