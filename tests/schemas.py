@@ -155,10 +155,10 @@ class LocalRegistry:
         registry = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:
                 self._answer(None)
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 self._answer(orjson.loads(self.rfile.read(length)) if length else {})
 

@@ -128,8 +128,7 @@ class SchemaLookups:
             record = decode()
         except Exception as exc:
             error = lookup_error(exc)
-            if error is None:  # the value, not its schema: the id is known
-                self._found.add(key)
+            if error is None:  # the value, not its schema (read before or after the lookup: not known either way)
                 raise
             self._spent_s += self._clock() - now
             self._missed[key] = _Miss(now + self.miss_ttl_s, str(error), error.code)

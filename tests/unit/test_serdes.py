@@ -260,9 +260,10 @@ def test_a_missed_id_is_asked_about_again_once_its_interval_ends():
             lookups.read((7, None), missing, as_bad_request)
     assert calls == [0.0, 30.0, 60.5]
     assert lookups.read((8, None), lambda: {"ok": 1}, as_bad_request) == {"ok": 1}
-    with pytest.raises(ValueError):  # the value's fault, not the lookup's: the id is known from then on
+    with pytest.raises(ValueError):  # the value's fault, not the lookup's: neither a miss nor a find
         lookups.read((9, None), lambda: int("x"), as_bad_request)
-    assert lookups.read((9, None), lambda: {"ok": 2}, as_bad_request) == {"ok": 2}
+    with pytest.raises(RequestError, match="not there"):  # so the next value naming it is looked up
+        lookups.read((9, None), missing, as_bad_request)
 
 
 def test_a_registry_that_fails_is_asked_once_per_interval_too():
