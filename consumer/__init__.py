@@ -20,7 +20,7 @@ The subpackages:
 - ``delivery``     from a finished request to a durable answer: the publisher, the two delivery modes, the commit
   ledger, the member's transactional slot, which reply topics exist;
 - ``wire``         request values other than kinference's own JSON, and the bounds every value is read within:
-  the Open Inference Protocol, Schema Registry formats, ``jsonscan``, ``schemabounds``;
+  the Open Inference Protocol, Schema Registry formats, ``jsonscan``, ``schemabounds``, ``schemaids``;
 - ``accelerator``  one device process per GPU and the workers' links to it (batches, a generative engine), the
   shared memory between them, the start-up calibration;
 - ``ops``          what operators run and watch: the CLI, the ``--workers`` supervisor, the HTTP endpoints, metrics,
