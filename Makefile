@@ -77,12 +77,13 @@ test-lowest:
 lint: $(STAMP)
 	$(BIN)/ruff check kinference consumer handlers loadgen tests
 
-# mypy, strict on consumer/ and handlers/ ([tool.mypy]), on a tree of links with the installed layout: the folders at
-# the top of the repository are kinference.consumer, kinference.handlers... (pyproject's package-dir).
+# mypy, strict on the whole package (kinference/, consumer/, handlers/, loadgen/: [tool.mypy]), on a tree of links
+# with the installed layout: the folders at the top of the repository are kinference.consumer, kinference.handlers...
+# (pyproject's package-dir).
 typecheck: $(STAMP)
 	rm -rf .typecheck && mkdir -p .typecheck/kinference
 	for f in kinference/*.py consumer handlers loadgen; do ln -s ../../$$f .typecheck/kinference/; done
-	cd .typecheck && ../$(BIN)/python -m mypy --config-file ../pyproject.toml -p kinference.consumer -p kinference.handlers
+	cd .typecheck && ../$(BIN)/python -m mypy --config-file ../pyproject.toml -p kinference
 
 clean:
 	rm -rf $(VENV) .venv-lowest kinference-demo-output .pytest_cache .typecheck

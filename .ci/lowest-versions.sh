@@ -13,10 +13,11 @@ rm -rf "$VENV"
 import re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 requirements = list(project["dependencies"])
-# `generate` needs a later transformers than `serve` allows (its continuous-batching API): the serve floor is what
-# this run keeps honest, so the generate extra is left out here (its tests skip below transformers 5.24).
+# `generate` and `reference` need a later transformers than `serve` allows (continuous batching; sentence-transformers
+# 6): the serve floor is what this run keeps honest, so those extras are left out here (their tests skip without
+# them).
 for name, extra in project["optional-dependencies"].items():
-    if name != "generate":
+    if name not in ("generate", "reference"):
         requirements += [r for r in extra if not r.startswith("kinference")]
 pins = {}
 for requirement in requirements:
@@ -30,8 +31,8 @@ PY
 echo "lowest versions:"; sed 's/^/  /' "$VENV/lowest.txt"
 # torch first, from the same source as `make install`; then everything else at its lower bound.
 "$VENV/bin/pip" install --quiet ${TORCH_SOURCE:-} -c "$VENV/lowest.txt" torch
-# dev's extras but generate, and dev's own tools.
-DEV_EXTRAS=$("$VENV/bin/python" -c 'import re, tomllib; dev = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["dev"]; own = next(r for r in dev if r.startswith("kinference[")); print(",".join(e for e in re.search(r"\[(.*)\]", own).group(1).split(",") if e != "generate"))')
+# dev's extras but generate and reference, and dev's own tools.
+DEV_EXTRAS=$("$VENV/bin/python" -c 'import re, tomllib; dev = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["dev"]; own = next(r for r in dev if r.startswith("kinference[")); print(",".join(e for e in re.search(r"\[(.*)\]", own).group(1).split(",") if e not in ("generate", "reference")))')
 DEV_TOOLS=$("$VENV/bin/python" -c 'import tomllib; print("\n".join(r for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["dev"] if not r.startswith("kinference")))')
 mapfile -t tools <<< "$DEV_TOOLS"
 "$VENV/bin/pip" install --quiet -c "$VENV/lowest.txt" -e ".[$DEV_EXTRAS]" "${tools[@]}"

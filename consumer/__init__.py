@@ -8,17 +8,19 @@ Read the modules in that order to follow a request through the service (README.m
 - ``path.models``      the served models: admission by the model's handler, then its batcher,
 - ``path.batcher``     groups waiting requests into batches (``adaptive``, ``greedy`` or ``static`` policy),
 - ``path.stages``      runs preprocess / inference / postprocess thread pools over micro-batches,
-- ``delivery.publisher``  produces each request's answer (``path.answers``: reply and dead-letter records),
+- ``delivery.publisher``  produces each request's answer (``delivery.answers``: reply and dead-letter records),
 - ``delivery.at_least_once`` or ``delivery.exactly_once``: the delivery mode, which says what is produced when and
-  when a request is answered for good: handed to the commit ledger (``delivery.commit``) whose offsets the source
-  commits, or committed with its offsets in a transaction.
+  when a request is answered for good: handed to the commit ledger (``ledger.commit``) whose offsets the source
+  commits (``ledger.commits``), or committed with its offsets in a transaction.
 
 The subpackages:
 
 - ``path``         the request path above, from the poll to the stages, with what it consults on the way (flow
-  control, the byte budget, admission, routing, rebalances, share groups, a generative model's ``generations``);
-- ``delivery``     from a finished request to a durable answer: the publisher, the two delivery modes, the commit
-  ledger, the member's transactional slot, which reply topics exist;
+  control, admission, routing, rebalances, a share group's poll thread, a generative model's ``generations``);
+- ``delivery``     from a finished request to a durable answer: the publisher, what answers a request, the
+  publisher's side of the two delivery modes, the member's transactional slot, which reply topics exist;
+- ``ledger``       the floor below both, which they share and which imports neither: the ``Request``, the commit
+  ledger, a share group's ledger, the byte budget, the poll thread's side of the two delivery modes;
 - ``wire``         request values other than kinference's own JSON, and the bounds every value is read within:
   the Open Inference Protocol, Schema Registry formats, ``jsonscan``, ``schemabounds``, ``schemaids``;
 - ``accelerator``  one device process per GPU and the workers' links to it (batches, a generative engine), the
@@ -28,5 +30,6 @@ The subpackages:
 - ``brokers``      the local brokers of tests, benchmarks and ``make demo`` (embedded Tansu, Apache Kafka).
 
 ``service`` wires the path and delivery together (``Service._build``) and owns start and stop; ``types`` holds the
-small shared types; ``config`` the one config object; ``kinference.protocol`` is the wire format.
+small shared types; ``config`` the one config object; ``kinference.protocol`` is the wire format. Imports point
+down the floors that README.md lists and ``tests/unit/test_layout.py`` holds them to.
 """

@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
 import yaml
@@ -26,6 +26,9 @@ from pydantic.fields import FieldInfo
 
 from kinference.errors import ConfigError, HandlerLoadError
 from kinference.protocol import _NEXT_PAIR
+
+if TYPE_CHECKING:
+    from kinference.handlers import Handler
 
 ENV_PREFIX = "KINFERENCE_"
 
@@ -901,6 +904,12 @@ def load_config(
         raise ConfigError(describe_errors(exc)) from exc
     except ValueError as exc:  # a malformed key=value item, found while merging
         raise ConfigError(f"invalid configuration: {exc}") from exc
+
+
+def served_name(settings: ServiceConfig, handler: Handler) -> str:
+    """A model's name (set up): in its metrics, its errors, OIP and the device process's calls. Here, where both the
+    workers (``path.models``) and the device process (``accelerator.device_process``) read it."""
+    return settings.model_name or handler.describe().get("model") or settings.handler
 
 
 def _handler_defaults(handler: str, model: Path | None, options: Mapping[str, Any]) -> dict[str, Any]:

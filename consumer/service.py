@@ -27,20 +27,22 @@ from confluent_kafka import KafkaException
 
 from kinference.consumer.accelerator.device_link import DeviceLink
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.delivery.at_least_once import AtLeastOnce, OffsetCommits
-from kinference.consumer.delivery.commit import OffsetTracker
+from kinference.consumer.delivery.at_least_once import AtLeastOnce
 from kinference.consumer.delivery.exactly_once import ExactlyOnce
 from kinference.consumer.delivery.member_slot import MemberSlot
-from kinference.consumer.delivery.publisher import Publisher, PublishSettings
+from kinference.consumer.delivery.publisher import DeliveryMode, Publisher, PublishSettings
 from kinference.consumer.delivery.topic_metadata import ExistingTopics
+from kinference.consumer.ledger.commit import OffsetTracker
+from kinference.consumer.ledger.commits import Commits, OffsetCommits, TransactionCommits, Transactions
+from kinference.consumer.ledger.share import ShareLedger
 from kinference.consumer.ops.endpoints import Endpoints, EndpointSettings
 from kinference.consumer.ops.lag import LagMonitor
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.control import ControlReader
-from kinference.consumer.path.intake import Intake
+from kinference.consumer.path.intake import Intake, TrackerT
 from kinference.consumer.path.models import Models
 from kinference.consumer.path.request import RequestDecoder
-from kinference.consumer.path.share import ShareLedger, ShareSource, set_share_group_start
+from kinference.consumer.path.share import ShareSource, set_share_group_start
 from kinference.consumer.path.source import MemberSource, Source
 from kinference.errors import ConfigError
 from kinference.handlers import Handler
@@ -167,19 +169,41 @@ class Service:
 
     def _build(self, config: ServiceConfig) -> tuple[Publisher, MemberSource]:
         """The publisher, each model's batcher and stages, and the source with its intake (none started), wired in
-        the order a request goes through them."""
+        the order a request goes through them; both sides of the delivery mode work on the ledger the intake tracks
+        each request in."""
         tracker = self.tracker
         if isinstance(tracker, ShareLedger):
             set_share_group_start(config)  # first: a refusal (an ACL) leaves no client behind
+            # A share group's ledger takes the answered requests too; its source acknowledges each of them.
+            publisher, share_intake = self._path(config, config.producer_config(),
+                                                 AtLeastOnce(tracker, config.dead_letter_topic), tracker)
+            self.source = ShareSource(config, share_intake, self.metrics)  # no offsets: no lag to measure
+            return publisher, self.source
         producer_config = config.producer_config()
-        delivery: AtLeastOnce | ExactlyOnce
-        if config.delivery == "exactly-once" and isinstance(tracker, OffsetTracker):  # refused for share groups
-            delivery = ExactlyOnce(tracker, config.dead_letter_topic, self.metrics,
-                                   config.commit_interval_ms / 1000, config.transaction_call_timeout_s)
+        delivery, commits = self._delivery_mode(config, tracker, producer_config)
+        publisher, intake = self._path(config, producer_config, delivery, tracker)
+        self.source = source = Source(config, intake, commits, self.metrics)
+        self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
+                              config.group_id, lambda: source.rebalance.partitions, self.metrics,
+                              config.lag_interval_s)
+        return publisher, source
+
+    def _delivery_mode(self, config: ServiceConfig, tracker: OffsetTracker,
+                       producer_config: dict[str, str]) -> tuple[DeliveryMode, Commits]:
+        """The delivery mode's two sides on the one ledger: the publisher thread's and the poll thread's."""
+        interval_s = config.commit_interval_ms / 1000
+        if config.delivery == "exactly-once":
+            transactions = Transactions()
             producer_config["transactional.id"] = self._transactional_id(config)
-        else:
-            # A share group's ledger takes the answered requests too; its source acknowledges them.
-            delivery = AtLeastOnce(tracker, config.dead_letter_topic)
+            return (ExactlyOnce(tracker, transactions, config.dead_letter_topic, self.metrics, interval_s,
+                                config.transaction_call_timeout_s),
+                    TransactionCommits(tracker, transactions, config.transaction_call_timeout_s))
+        return AtLeastOnce(tracker, config.dead_letter_topic), OffsetCommits(tracker, self.metrics, interval_s)
+
+    def _path(self, config: ServiceConfig, producer_config: dict[str, str], delivery: DeliveryMode,
+              tracker: TrackerT) -> tuple[Publisher, Intake[TrackerT]]:
+        """The publisher, answering through ``delivery``; the models, answering through it; and the intake, which
+        tracks each record in ``tracker``, decodes it and routes it to its model."""
         self.publisher = publisher = Publisher(producer_config, delivery, PublishSettings.of(config), self.metrics,
                                                tracing=self.tracing)
         router = self.models.build(publisher, self.metrics, self.tracing)
@@ -187,18 +211,7 @@ class Service:
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
                                  router=router, max_key_bytes=config.max_key_bytes,
                                  reply_topic_exists=self._existing_topics(config))
-        if isinstance(tracker, ShareLedger):  # a share group has no offsets: no lag to measure
-            self.source = ShareSource(config, Intake(decoder, tracker, self.models, self.tracing, publisher.budget),
-                                      self.metrics)
-            return publisher, self.source
-        commits = delivery if isinstance(delivery, ExactlyOnce) else OffsetCommits(
-            tracker, self.metrics, config.commit_interval_ms / 1000)
-        self.source = source = Source(config, Intake(decoder, tracker, self.models, self.tracing, publisher.budget),
-                                      commits, self.metrics)
-        self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
-                              config.group_id, lambda: source.rebalance.partitions, self.metrics,
-                              config.lag_interval_s)
-        return publisher, source
+        return publisher, Intake(decoder, tracker, self.models, self.tracing, publisher.budget)
 
     @staticmethod
     def _existing_topics(config: ServiceConfig) -> Callable[[str], bool]:

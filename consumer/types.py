@@ -1,7 +1,7 @@
-"""The small types every stage shares: a record's headers, a partition's key, and the two things a ``Request``
-carries for its answer (how its reply value is written, and its span). Here, not in ``request``, so that the
-modules that implement them (``oip``, ``serdes``, ``tracing``) and those that read them (``answers``) need nothing
-of each other.
+"""The small types every stage shares: a record's headers, a partition's key, and the three things a ``Request``
+carries for its answer (its model, how its reply value is written, and its span). Here, not in ``request``, so that
+the modules that implement them (``router``, ``oip``, ``serdes``, ``tracing``) and those that read them
+(``answers``) need nothing of each other, and ``ledger.request`` nothing above its floor.
 """
 
 from __future__ import annotations
@@ -15,6 +15,17 @@ Headers = list[tuple[str, bytes | None]]
 
 PartitionKey = tuple[str, int]
 """(topic, partition)."""
+
+
+class Route(Protocol):
+    """The model that serves a request (``router.ModelRoute``), as its answer and its metrics see it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def reply_headers(self) -> tuple[tuple[str, bytes], ...]:
+        """The headers naming the model on each of its replies."""
 
 
 class ReplyFormat(Protocol):

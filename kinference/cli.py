@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown command {name!r} (choose from {', '.join(COMMANDS)})")
     try:
         module = importlib.import_module(command.module)
-        return module.main(argv if command.takes_name else rest)
+        code: int = module.main(argv if command.takes_name else rest)
+        return code
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] == "kinference":
             raise  # a bug of ours, not a missing extra

@@ -9,7 +9,7 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,11 +149,11 @@ def execute(client: Client, plan: LoadPlan, payloads: Sequence[Any], console: Co
     return report
 
 
-def kafka_properties(items: Sequence[str], environ: dict[str, str] | None = None) -> dict[str, str]:
+def kafka_properties(items: Sequence[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """``KINFERENCE_KAFKA`` (as serve reads it), then each ``--kafka KEY=VALUE`` over it."""
-    environ = os.environ if environ is None else environ
+    variables = os.environ if environ is None else environ
     try:
-        properties = parse_properties(environ.get(KAFKA_PROPERTIES_ENV, ""))
+        properties = parse_properties(variables.get(KAFKA_PROPERTIES_ENV, ""))
     except ValueError as exc:
         raise ValueError(f"{KAFKA_PROPERTIES_ENV}: {exc}") from None
     for item in items:

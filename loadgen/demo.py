@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kinference.consumer.brokers.broker import LOW_LATENCY_CONSUMER, EmbeddedBroker
-from kinference.consumer.config import ServiceConfig
+from kinference.consumer.config import Batching, ServiceConfig
 from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import Service
 from kinference.errors import KinferenceError
@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace, output_dir: Path, console: Console, began: fl
         config = ServiceConfig(
             bootstrap_servers=broker.bootstrap_servers, request_topics=["kinference-requests"],
             reply_topic="kinference-replies", dead_letter_topic="kinference-dead-letters", group_id="kinference-demo",
-            handler=args.handler, model=args.model, max_batch_size=args.max_batch_size,
+            handler=args.handler, model=args.model, batching=Batching(max_batch_size=args.max_batch_size),
             kafka_consumer=_DEMO_CONSUMER,
             # Loopback and any free port: the demo must not clash with a service already on 9400.
             metrics_host="127.0.0.1", metrics=True, metrics_port=0,

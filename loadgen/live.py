@@ -78,6 +78,6 @@ class ProgressView:
     def update(self, live: LiveStats, now: float, completed: float, description: str | None = None) -> None:
         assert self._task is not None, "begin() first"
         rps, p99 = live.rolling(now)
-        fields = {"description": description} if description else {}
-        self._progress.update(self._task, completed=completed, sent=live.sent, answered=live.answered,
-                              lost=live.lost, rps=rps, p99="-" if p99 is None else f"{p99:.1f}", **fields)
+        # rich leaves the description as it is for None.
+        self._progress.update(self._task, completed=completed, description=description or None, sent=live.sent,
+                              answered=live.answered, lost=live.lost, rps=rps, p99="-" if p99 is None else f"{p99:.1f}")

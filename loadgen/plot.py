@@ -53,6 +53,7 @@ def _histogram(axes: Axes, values: Sequence[float], measure: str, counted: str) 
         figures = percentiles(values)
         for name, style in (("p50", "--"), ("p99", ":")):
             value = figures[name]
+            assert value is not None  # values is not empty
             axes.axvline(value, color="black", linestyle=style, label=f"{name} {value:.1f} ms")
         axes.legend()
     axes.set(xlabel=f"{measure} (ms)", ylabel=counted, title=f"{measure.capitalize()} histogram")

@@ -11,7 +11,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
-from kinference.consumer.path.request import Request
+from kinference.consumer.ledger.request import Request
 
 _offsets = itertools.count()
 

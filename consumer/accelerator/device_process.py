@@ -18,8 +18,7 @@ from prometheus_client import REGISTRY
 from kinference.consumer.accelerator.calibration import Calibration, calibrate
 from kinference.consumer.accelerator.device import DeviceBatching, DeviceMetrics, DeviceServer
 from kinference.consumer.accelerator.device_engine import DeviceEngine
-from kinference.consumer.config import ServiceConfig
-from kinference.consumer.path.models import served_name
+from kinference.consumer.config import ServiceConfig, served_name
 from kinference.errors import ConfigError
 from kinference.handlers import Handler, HandlerContext, load_handler
 from kinference.handlers.generative import GenerativeHandler

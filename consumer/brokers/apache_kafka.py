@@ -30,7 +30,7 @@ from types import TracebackType
 
 from confluent_kafka.admin import AdminClient
 
-from kinference.consumer.brokers.broker import free_port
+from kinference.consumer.brokers.ports import free_port
 from kinference.errors import BrokerError
 
 log = logging.getLogger(__name__)

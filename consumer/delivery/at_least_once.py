@@ -1,47 +1,44 @@
 """At-least-once (``--delivery at-least-once``, the default): a request is answered once the broker acknowledged
 every record that answers it, and its offset is committed by the consumer, on the poll thread, once every record
-before it is answered too (``commit``, the ledger, keeps that rule).
+before it is answered too (``ledger.commit``, the ledger, keeps that rule).
 
-Everything in which this mode differs from exactly-once (``exactly_once``) is in this module:
+The mode has the same two sides as exactly-once (``exactly_once``), each entered from one thread:
 
-- on the publisher thread, ``AtLeastOnce``: the records that answer the requests the publisher took in a turn are
-  produced in that turn; when every record of a request is acknowledged (or given up on: unanswerable), the request
-  is answered, and handed to its ledger (``commit.OffsetTracker.finish``; a share group's ``share.ShareLedger``,
-  whose source acknowledges it instead of committing). A record refused for a passing reason is produced again after
-  a backoff (the publisher's retries), one refused for good is replaced at once, and a producer that failed for
-  good is replaced (``replaces_producer``): an idempotent producer can be, with no one to fence;
-- on the poll thread, ``OffsetCommits``: an asynchronous commit of the positions that moved, every
-  ``commit_interval_ms``; a synchronous one on revoke and at close.
+- on the publisher thread, ``AtLeastOnce`` (this module): the records that answer the requests the publisher took in
+  a turn are produced in that turn; when every record of a request is acknowledged (or given up on: unanswerable),
+  the request is answered, and handed to its ledger (``ledger.commit.OffsetTracker.finish``; a share group's
+  ``ledger.share.ShareLedger``, whose source acknowledges it instead of committing). A record refused for a passing
+  reason is produced again after a backoff (the publisher's retries), one refused for good is replaced at once, and
+  a producer that failed for good is replaced (``replaces_producer``): an idempotent producer can be, with no one to
+  fence;
+- on the poll thread, ``ledger.commits.OffsetCommits``, on the floor below, where the source reaches it: an
+  asynchronous commit of the positions that moved, every ``commit_interval_ms``; a synchronous one on revoke and at
+  close.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError
 
-from kinference.consumer.delivery.commit import OffsetTracker
-from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path.answers import Delivery, InFlight, Settled, answer
-from kinference.consumer.path.request import Request
-from kinference.consumer.types import PartitionKey
-
-if TYPE_CHECKING:  # share imports the source, which imports this module
-    from kinference.consumer.path.share import ShareLedger
+from kinference.consumer.delivery.answers import Delivery, InFlight, Settled, answer
+from kinference.consumer.ledger.commit import Ledger
+from kinference.consumer.ledger.request import Request
 
 log = logging.getLogger(__name__)
 
 
 class AtLeastOnce:
-    """The publisher's side of at-least-once. Each turn of the publisher: ``take`` the finished requests, ``begin``
-    (their records, to produce now), the reports (``delivered``, ``refused``), then ``end`` (the answered ones to
-    their ledger)."""
+    """The publisher's side of at-least-once, entered from the publisher thread (and ``close`` from the thread that
+    stops the publisher too). Each turn of the publisher: ``take`` the finished requests, ``begin`` (their records,
+    to produce now), the reports (``delivered``, ``refused``), then ``end`` (the answered ones to their ledger)."""
 
     replaces_producer = True
     """A producer that failed for good is replaced: what it did not deliver is produced again by a new one."""
 
-    def __init__(self, ledger: OffsetTracker | ShareLedger, dead_letter_topic: str) -> None:
+    def __init__(self, ledger: Ledger, dead_letter_topic: str) -> None:
         self._ledger = ledger
         self._dead_letter_topic = dead_letter_topic
         self._taken: list[Request] = []
@@ -108,63 +105,3 @@ class AtLeastOnce:
             return
         del self._outstanding[request]
         self._answered.append(request)
-
-
-class OffsetCommits:
-    """The poll thread's side of at-least-once: it commits the positions the ledger moved. A share group has none:
-    its source acknowledges each record (``share.ShareSource``)."""
-
-    def __init__(self, tracker: OffsetTracker, metrics: Metrics, interval_s: float) -> None:
-        self._tracker = tracker
-        self._metrics = metrics
-        self._interval_s = interval_s
-        self._next = 0.0
-        self._waiting = False
-        """An asynchronous commit is out: the next waits for its report, so that commits never pile up while the
-        coordinator does not answer (a rebalance, a fail-over)."""
-
-    @property
-    def in_flight(self) -> int:
-        """What flow control bounds: nothing waits here (a request is answered once acknowledged), so the ledger's."""
-        return self._tracker.in_flight
-
-    def turn(self, consumer: Any, now: float) -> None:
-        """Each turn of the poll loop: commit asynchronously what the ledger moved, once per interval."""
-        if now < self._next or self._waiting:
-            return
-        self._next = now + self._interval_s
-        offsets = self._tracker.commit_offsets()
-        if offsets:
-            self._waiting = True
-            consumer.commit(offsets=offsets, asynchronous=True)
-
-    def commit(self, consumer: Any, partitions: list[PartitionKey] | None = None) -> None:
-        """Revoke and close: commit what is answered of ``partitions`` (default: all) now, and wait."""
-        offsets = self._tracker.commit_offsets(partitions)
-        if not offsets:
-            return
-        try:
-            result = consumer.commit(offsets=offsets, asynchronous=False)
-        except KafkaException as exc:
-            # Nothing is lost: the next owner, or this member after a restart, serves them again.
-            self._metrics.commit_failures.inc()
-            log.warning("commit of %d partitions failed: %s", len(offsets), exc)
-            return
-        self._accepted(result or offsets)
-
-    def on_commit(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
-        """librdkafka's report of an asynchronous commit (served by ``poll``, in the poll thread)."""
-        self._waiting = False
-        if error is not None:
-            # Nothing is lost: the same offsets (or later ones) are committed next time.
-            self._metrics.commit_failures.inc()
-            log.warning("commit failed: %s", error)
-            return
-        self._accepted(partitions)
-
-    def _accepted(self, partitions: list[TopicPartition]) -> None:
-        accepted = [tp for tp in partitions if tp.error is None]
-        if len(accepted) < len(partitions):
-            self._metrics.commit_failures.inc()
-        self._tracker.committed(accepted)
-        self._metrics.commits.inc()

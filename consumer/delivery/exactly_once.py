@@ -1,6 +1,8 @@
 """Exactly-once (``--delivery exactly-once``): replies and the offsets they answer are committed in one transaction.
 
-Everything in which this mode differs from at-least-once (``at_least_once``) is in this module; the publisher
+The mode has the same two sides as at-least-once (``at_least_once``), each entered from one thread: on the publisher
+thread ``ExactlyOnce`` (this module), on the poll thread ``ledger.commits.TransactionCommits``, on the floor below,
+where the source reaches it; what they tell each other goes through ``ledger.commits.Transactions``. The publisher
 (``publisher.Publisher``) produces the records and follows their reports as in every mode. What is particular here
 is when an answer counts:
 
@@ -12,8 +14,8 @@ is when an answer counts:
   dropped (the partition's new owner serves them).
 - Every ``commit_interval_s`` (and at once on a revoke or at close), one transaction holds exactly the answers
   of those runs plus ``send_offsets_to_transaction`` of the new positions, with the consumer's group metadata
-  (read on the poll thread, ``turn``), so that a member that lost its partitions is fenced by the broker
-  (KIP-447). Either the replies and the offsets are committed together, or neither is.
+  (read on the poll thread, ``TransactionCommits.turn``), so that a member that lost its partitions is fenced by the
+  broker (KIP-447). Either the replies and the offsets are committed together, or neither is.
 - A transaction, in order (``begin``, then the publisher produces its records, then ``end``):
 
   1. begin it;
@@ -42,18 +44,17 @@ Clients must read replies with ``isolation.level=read_committed``.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from kinference.consumer.delivery.commit import OffsetTracker, PartitionLedger
+from kinference.consumer.delivery.answers import Delivery, InFlight, Settled, answer
+from kinference.consumer.ledger.commit import OffsetTracker, PartitionLedger
+from kinference.consumer.ledger.commits import Transactions
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path.answers import Delivery, InFlight, Settled, answer
-from kinference.consumer.path.request import Request
-from kinference.consumer.types import PartitionKey
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +79,19 @@ class Transaction:
 
 
 class ExactlyOnce:
-    """Both threads' side of exactly-once. The publisher's, each turn: ``take`` the finished requests (held),
-    ``begin`` (a transaction's records, when one is due), the reports (``delivered``, ``refused``), then ``end``
-    (commit or abort). The poll thread's: ``turn`` and ``commit`` (a revoke, the close)."""
+    """The publisher's side of exactly-once, entered from the publisher thread (and ``close`` from the thread that
+    stops the publisher too). Each turn of the publisher: ``take`` the finished requests (held), ``begin`` (a
+    transaction's records, when one is due), the reports (``delivered``, ``refused``), then ``end`` (commit or
+    abort)."""
 
     replaces_producer = False
     """A transactional producer is never replaced: initialised again, it would fence the other instance of its id."""
 
-    def __init__(self, tracker: OffsetTracker, dead_letter_topic: str, metrics: Metrics, commit_interval_s: float,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(self, tracker: OffsetTracker, transactions: Transactions, dead_letter_topic: str, metrics: Metrics,
+                 commit_interval_s: float, timeout_s: float = 30.0) -> None:
+        """``transactions``: what the poll thread's side (``TransactionCommits``) tells this one, and is told."""
         self._tracker = tracker
+        self._transactions = transactions
         self._dead_letter_topic = dead_letter_topic
         self._metrics = metrics
         self._commit_interval_s = commit_interval_s
@@ -102,28 +106,14 @@ class ExactlyOnce:
         """Why the open transaction cannot commit: one of its records was refused."""
         self._landed: list[Delivery] = []
         """Records of the open transaction the broker acknowledged: they count once it commits."""
-        self._generation: Any = None
-        """The consumer's group generation, for ``send_offsets_to_transaction`` (zombie fencing)."""
         self._initialised = False
         self._next_commit = 0.0
         self._aborts_in_a_row = 0
-        self._commit_requested = threading.Event()
-        self._cycles = threading.Condition()
-        self._cycle_count = 0
-        self._closed = False
 
     @property
     def held(self) -> int:
         """Finished requests waiting for their transaction."""
-        return sum(len(requests) for requests in list(self._held.values()))
-
-    @property
-    def in_flight(self) -> int:
-        """What flow control bounds: the ledger's, and the held requests (the ledger counts them finished, but they
-        are not answered until their transaction commits)."""
-        return self._tracker.in_flight + self.held
-
-    # --- the publisher's side (the publisher thread)
+        return sum(len(requests) for requests in self._held.values())
 
     def take(self, requests: list[Request]) -> None:
         """Hold them all: they are answered in the transaction that commits their offsets."""
@@ -134,6 +124,7 @@ class ExactlyOnce:
                 continue  # its partition moved on: the new owner answers it
             self._held.setdefault(ledger, {})[request.offset] = request
             held.append(request)
+        self._transactions.held = self.held  # before the ledger counts them finished: flow control sees them always
         self._tracker.finish(held)  # committable now; counted as held until their transaction commits
 
     def begin(self, producer: Any, now: float, final: bool) -> list[Delivery]:
@@ -193,57 +184,35 @@ class ExactlyOnce:
 
     def close(self) -> None:
         """The publisher leaves: nothing more becomes durable. A transactional call being retried gives up, and
-        whoever waits in ``commit`` is woken."""
-        with self._cycles:
-            self._closed = True
-            self._cycles.notify_all()
-
-    # --- the poll thread's side: the consumer itself commits nothing
-
-    def turn(self, consumer: Any, _now: float) -> None:
-        """Each turn of the poll loop: read the group's generation for the next transaction (the publisher thread
-        cannot ask the consumer: the call blocks while the poll thread is inside it)."""
-        self._read_generation(consumer)
-
-    def commit(self, consumer: Any, _partitions: list[PartitionKey] | None = None) -> None:
-        """Revoke and close: a transaction with everything committable now, under the generation as it is now,
-        waited for."""
-        self._read_generation(consumer)
-        if not self.commit_now(self._timeout_s):
-            log.warning("no transaction committed within %.0f s", self._timeout_s)
-
-    def commit_now(self, timeout_s: float) -> bool:
-        """Ask for a transaction with everything committable now and wait for it."""
-        with self._cycles:
-            target = self._cycle_count + 2  # a cycle already running may have started before our requests
-            self._commit_requested.set()
-            return self._cycles.wait_for(lambda: self._cycle_count >= target or self._closed, timeout_s)
+        whoever waits for a transaction (``TransactionCommits.commit``) is woken."""
+        self._transactions.close()
 
     # --- a transaction
 
     def _due(self, now: float, final: bool) -> Transaction | None:
-        if not (final or self._commit_requested.is_set() or now >= self._next_commit):
+        if not (final or self._transactions.asked.is_set() or now >= self._next_commit):
             return None
-        self._commit_requested.clear()
+        self._transactions.asked.clear()
         self._next_commit = now + self._commit_interval_s
         self._drop_detached()
         positions = self._tracker.commit_offsets()
         if not positions:
-            self._cycle_done()
+            self._transactions.cycle_done()
             return None
         return Transaction(self._committable(positions), positions)
 
     def _commit(self, producer: Any, transaction: Transaction) -> None:
         """Send the offsets into the transaction and commit it (``Abort`` if the broker says so)."""
-        self._retrying(producer.send_offsets_to_transaction, transaction.positions, self._generation,
+        self._retrying(producer.send_offsets_to_transaction, transaction.positions, self._transactions.generation,
                        self._timeout_s)
         self._retrying(producer.commit_transaction, self._timeout_s)
         for request in transaction.requests:
             self._held[request.ledger].pop(request.offset, None)
+        self._transactions.held = self.held
         self._tracker.committed(transaction.positions)
         self._metrics.commits.inc()
         self._aborts_in_a_row = 0
-        self._cycle_done()
+        self._transactions.cycle_done()
 
     def _abort(self, producer: Any, transaction: Transaction, error: KafkaError) -> str | None:
         """Abort it: its requests stay held for the next one. Returns why the service must stop, if it must."""
@@ -254,7 +223,7 @@ class ExactlyOnce:
         try:
             self._retrying(producer.abort_transaction, self._timeout_s)
         finally:
-            self._cycle_done()
+            self._transactions.cycle_done()
         if self._aborts_in_a_row >= ABORTS_BEFORE_UNHEALTHY:
             return f"{self._aborts_in_a_row} transactions in a row were aborted; last: {error.str()}"
         return None
@@ -268,11 +237,6 @@ class ExactlyOnce:
             batch += [request for offset, request in sorted(held.items()) if offset < tp.offset]
         return batch
 
-    def _cycle_done(self) -> None:
-        with self._cycles:
-            self._cycle_count += 1
-            self._cycles.notify_all()
-
     def _retrying(self, call: Callable[..., Any], *args: Any) -> None:
         """One call of the transactional API, repeated while it fails with a retriable error."""
         while True:
@@ -285,7 +249,7 @@ class ExactlyOnce:
                     raise
                 if error.txn_requires_abort():
                     raise Abort(error) from exc
-                if not error.retriable() or self._closed:
+                if not error.retriable() or self._transactions.closed:
                     raise
                 log.warning("%s: %s; trying again", call.__name__, error)
 
@@ -293,12 +257,4 @@ class ExactlyOnce:
         """Held requests of partitions this member lost are the new owner's to serve."""
         for ledger in [ledger for ledger in self._held if not ledger.attached]:
             del self._held[ledger]
-
-    def _read_generation(self, consumer: Any) -> None:
-        """A consumer leaving the group (``close``) has no generation, and says so with a ``RuntimeError``: the last
-        one read stays. Left to escape from a revoke, that error would end the callback half-way, and confluent-kafka
-        turns it into a ``SystemError`` out of ``close()`` on Python 3.11 (seen in CI)."""
-        try:
-            self._generation = consumer.consumer_group_metadata()
-        except RuntimeError as exc:
-            log.debug("no group generation to read: %s", exc)
+        self._transactions.held = self.held

@@ -1,7 +1,7 @@
 """The publisher: one thread owns the producer, produces what answers each finished request, and follows every
-record until the broker has it. Its delivery mode (``at_least_once.AtLeastOnce`` or ``exactly_once.ExactlyOnce``)
-says which records to produce when, and when a request counts as answered; everything in which the modes differ is
-there, and this module knows nothing of transactions.
+record until the broker has it. Its delivery mode (``DeliveryMode``: ``at_least_once.AtLeastOnce`` or
+``exactly_once.ExactlyOnce``) says which records to produce when, and when a request counts as answered; everything
+in which the modes differ is there, and this module knows nothing of transactions.
 
 Each turn of the publisher's loop, in order:
 
@@ -57,22 +57,28 @@ import threading
 import time
 import zlib
 from collections import Counter as Tally
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.delivery.at_least_once import AtLeastOnce
-from kinference.consumer.delivery.exactly_once import ExactlyOnce
+from kinference.consumer.delivery.answers import (
+    Delivery,
+    InFlight,
+    Refusal,
+    ReplyPartitions,
+    Settled,
+    classify,
+    replacement,
+)
+from kinference.consumer.ledger.budget import ByteBudget
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.logs import about
 from kinference.consumer.ops.metrics import UNSERVED_LABEL, Metrics, observe_many
-from kinference.consumer.path.answers import Delivery, InFlight, Refusal, ReplyPartitions, classify, replacement
-from kinference.consumer.path.budget import ByteBudget
-from kinference.consumer.path.generations import StreamChunk
-from kinference.consumer.path.request import Request
+from kinference.consumer.types import Headers
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 
@@ -117,11 +123,52 @@ def observe(metrics: Metrics, requests: list[Request], now: float) -> None:
         observe_many(metrics.labelled(metrics.queue_wait, *labels), queued)
 
 
+class DeliveryMode(Protocol):
+    """The publisher thread's side of a delivery mode, as the publisher calls it each turn: either mode
+    (``at_least_once.AtLeastOnce``, ``exactly_once.ExactlyOnce``), never asked which."""
+
+    @property
+    def replaces_producer(self) -> bool:
+        """Whether a producer that failed for good may be replaced (else the service stops)."""
+
+    def take(self, requests: list[Request]) -> None:
+        """Finished requests (results or errors), from the inbox."""
+
+    def begin(self, producer: Any, now: float, final: bool) -> list[Delivery]:
+        """The records to produce now (``final``: the last turn before stopping)."""
+
+    def delivered(self, delivery: Delivery) -> None: ...
+
+    def refused(self, delivery: Delivery, error: KafkaError, replacements: list[Delivery] | None,
+                at_once: bool) -> list[Delivery] | None:
+        """What to produce now in place of a refused record; None: produce it again after a backoff."""
+
+    def end(self, producer: Any, in_flight: InFlight) -> Settled:
+        """What this turn answered for good."""
+
+    def close(self) -> None:
+        """The publisher leaves."""
+
+
+class Chunk(Protocol):
+    """One record of a generative request's stream (``path.generations.StreamChunk``), as the publisher produces it:
+    in order with its request's final, never tracked for the commit (the final is what answers the request)."""
+
+    @property
+    def request(self) -> Request: ...
+
+    @property
+    def value(self) -> bytes: ...
+
+    @property
+    def headers(self) -> Headers: ...
+
+
 @dataclass(frozen=True, slots=True)
 class _Stream:
     """Stream chunks of generative requests, in the inbox with the finished requests (``Publisher.stream``)."""
 
-    chunks: list[StreamChunk]
+    chunks: Sequence[Chunk]
 
 
 @dataclass(frozen=True)
@@ -150,7 +197,7 @@ class Publisher:
     def __init__(
         self,
         producer_config: dict[str, str],
-        delivery: AtLeastOnce | ExactlyOnce,
+        delivery: DeliveryMode,
         settings: PublishSettings,
         metrics: Metrics,
         *,
@@ -201,7 +248,7 @@ class Publisher:
         self.budget.release(requests)
         self._put(requests)
 
-    def stream(self, chunks: list[StreamChunk]) -> None:
+    def stream(self, chunks: Sequence[Chunk]) -> None:
         """Queue the stream chunks of generative requests, produced in order before their requests' finals (one
         producer, one partition per request). Chunks are not answers: nothing waits for their acknowledgement."""
         self._put(_Stream(chunks))
@@ -292,7 +339,7 @@ class Publisher:
 
     # --- records
 
-    def _produce_chunks(self, chunks: list[StreamChunk]) -> None:
+    def _produce_chunks(self, chunks: Sequence[Chunk]) -> None:
         """Best effort: a chunk the broker refuses is counted and logged, and the client sees the gap (the final,
         which carries the whole text, is what answers the request)."""
         for piece in chunks:

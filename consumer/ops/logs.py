@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from kinference.consumer.path.request import Request
+from kinference.consumer.ledger.request import Request
 
 _REQUEST_FIELDS = ("topic", "partition", "offset", "correlation_id")
 

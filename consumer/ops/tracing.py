@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
@@ -42,13 +42,10 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kinference import __version__
-from kinference.consumer.path.request import Request
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.types import Headers
 from kinference.errors import ConfigError
 from kinference.protocol import MAX_ERROR_MESSAGE
-
-if TYPE_CHECKING:
-    from kinference.consumer.path.stages import MicroBatch
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +87,18 @@ class BatchTrace:
 
     span: Span
     context: Context
+
+
+class TracedBatch(Protocol):
+    """A micro-batch (``stages.MicroBatch``), as its stage spans read it: here, not imported, since the stages
+    import this module."""
+
+    active: list[Request]
+    """The requests a stage's call is made for."""
+    trace: BatchTrace | None
+
+
+BatchT = TypeVar("BatchT", bound=TracedBatch)
 
 
 def extract(headers: Headers) -> Context:
@@ -217,12 +226,12 @@ class Tracing:
             request_span.add_event("dispatched", timestamp=started)
         return BatchTrace(span, set_span_in_context(span))
 
-    def stage(self, name: str, work: Callable[[MicroBatch], None]) -> Callable[[MicroBatch], None]:
+    def stage(self, name: str, work: Callable[[BatchT], None]) -> Callable[[BatchT], None]:
         """``work`` (a stage's call on one micro-batch) in a child span of the micro-batch's span, and an event on
         the span of each request it was called for."""
         tracer = self._tracer
 
-        def traced(micro_batch: MicroBatch) -> None:
+        def traced(micro_batch: BatchT) -> None:
             active = micro_batch.active  # a failing call replaces the list: these are the requests it was made for
             try:
                 # Current in this thread while the handler runs, so that the handler's own spans nest under it; an

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kinference.consumer.path.request import Request
+from kinference.consumer.ledger.request import Request
 from kinference.errors import RequestError
 from kinference.handlers.base import Handler
 from kinference.protocol import ErrorCode

@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kinference.consumer.config import Batching
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.path.cost import ArrivalRate, BatchCost
-from kinference.consumer.path.request import Request
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 

@@ -1,5 +1,5 @@
 """Flow control: at most ``max_in_flight`` requests consumed and not yet answered (committed, in exactly-once), and
-at most ``max_in_flight_bytes`` of what they hold decoded (``budget.ByteBudget``).
+at most ``max_in_flight_bytes`` of what they hold decoded (``ledger.budget.ByteBudget``).
 
 Above either, every assigned partition pauses; they resume at ``resume_in_flight`` requests and half the byte
 budget. The poll thread keeps polling while paused, so the member never leaves the group, and memory stays bounded
@@ -13,8 +13,8 @@ from typing import Any
 
 from confluent_kafka import TopicPartition
 
+from kinference.consumer.ledger.budget import ByteBudget
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path.budget import ByteBudget
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from typing import Any, cast
 import orjson
 
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path.request import Request
 from kinference.consumer.types import Headers, PartitionKey
 from kinference.errors import RequestError
 from kinference.handlers.generative import Event, GenerativePort, Prompt

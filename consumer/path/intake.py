@@ -1,10 +1,10 @@
 """Intake: one fetch's records into requests, for either source (``source`` for consumer groups, ``share`` for
 share groups).
 
-For each record, in order: track it (``commit.OffsetTracker``, or ``share.ShareLedger``) before anything that can
-fail, decode it (a record that cannot be read becomes a request with an error, never an exception), then admit
-the fetch's readable requests together (the handler validates and prices them, one call for all) and route each
-on. Whatever a record does, the intake goes on with the next one.
+For each record, in order: track it (``ledger.commit.OffsetTracker``, or ``ledger.share.ShareLedger``) before
+anything that can fail, decode it (a record that cannot be read becomes a request with an error, never an
+exception), then admit the fetch's readable requests together (the handler validates and prices them, one call for
+all) and route each on. Whatever a record does, the intake goes on with the next one.
 """
 
 from __future__ import annotations
@@ -14,18 +14,19 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from kinference.consumer.ledger.budget import ByteBudget
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.logs import about
-from kinference.consumer.path.budget import ByteBudget
-from kinference.consumer.path.request import Request, RequestDecoder
+from kinference.consumer.path.request import RequestDecoder
 from kinference.consumer.types import PartitionKey
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
-    from kinference.consumer.delivery.commit import OffsetTracker
+    from kinference.consumer.ledger.commit import OffsetTracker
+    from kinference.consumer.ledger.share import ShareLedger
     from kinference.consumer.ops.tracing import Tracing
     from kinference.consumer.path.models import Models
-    from kinference.consumer.path.share import ShareLedger
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class Intake(Generic[TrackerT]):
     def __init__(self, decoder: RequestDecoder, tracker: TrackerT, models: Models,
                  tracing: Tracing | None = None, budget: ByteBudget | None = None) -> None:
         """``tracing``, when on, starts each request's span. ``budget`` is charged what each request holds decoded
-        (``budget.ByteBudget``; by default one without a bound)."""
+        (``ledger.budget.ByteBudget``; by default one without a bound)."""
         self.tracker: TrackerT = tracker
         self.budget = budget or ByteBudget.unbounded()
         self._decoder = decoder

@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kinference.consumer.accelerator.engine_link import EngineLink
-from kinference.consumer.config import Batching, ServiceConfig
+from kinference.consumer.config import Batching, ServiceConfig, served_name
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.admission import admit
 from kinference.consumer.path.batcher import Batcher
 from kinference.consumer.path.generations import Generations, GenerationSettings, StreamChunk
-from kinference.consumer.path.request import Request
 from kinference.consumer.path.router import ModelRoute, Router
 from kinference.consumer.path.stages import ModelRun, Pipeline
-from kinference.consumer.types import PartitionKey
+from kinference.consumer.types import PartitionKey, Route
 from kinference.consumer.wire.oip import ServedModel as OipModel
 from kinference.errors import ConfigError, RequestError
 from kinference.handlers import Handler, HandlerContext, load_handler
@@ -256,17 +256,12 @@ class Models:
             link.close()
 
 
-def _routed(request: Request) -> ModelRoute:
+def _routed(request: Request) -> Route:
     """An ok request's model: the decoder's router picked it (a record that no model serves has an error)."""
     route = request.model
     if route is None:
         raise RuntimeError(f"request {request.correlation_id} is ok but no model was picked for it")
     return route
-
-
-def served_name(settings: ServiceConfig, handler: Handler) -> str:
-    """A model's name (set up): in its metrics, its errors, OIP and the device process's calls."""
-    return settings.model_name or handler.describe().get("model") or settings.handler
 
 
 def _info_labels(described: dict[str, str]) -> dict[str, str]:

@@ -22,20 +22,17 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from confluent_kafka import TopicPartition
 
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.delivery.commit import OffsetTracker
+from kinference.consumer.ledger.commit import OffsetTracker
+from kinference.consumer.ledger.commits import Commits
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.flow import FlowControl
 from kinference.consumer.path.intake import Intake
 from kinference.consumer.types import PartitionKey
-
-if TYPE_CHECKING:
-    from kinference.consumer.delivery.at_least_once import OffsetCommits
-    from kinference.consumer.delivery.exactly_once import ExactlyOnce
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +43,7 @@ class Rebalance:
         config: ServiceConfig,
         intake: Intake[OffsetTracker],
         flow: FlowControl,
-        commits: OffsetCommits | ExactlyOnce,
+        commits: Commits,
         metrics: Metrics,
     ) -> None:
         """``intake``: its commit ledger, and ``discard``, which takes the not-yet-started requests of partitions out

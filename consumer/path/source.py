@@ -9,8 +9,9 @@ It alone calls the consumer (a librdkafka consumer is not to be shared across th
    whatever a record does, the loop goes on with the next one; then tell the ledger how far the consumer has
    gone (offsets it passed without handing a record over are gaps: transaction markers, aborted records,
    compaction; ``commit``);
-3. the delivery mode's turn (``at_least_once.OffsetCommits``: commit what is answered; exactly-once, where offsets
-   go into transactions, ``exactly_once.ExactlyOnce``: read the group's generation for them);
+3. the delivery mode's turn on this thread (``ledger.commits``; at-least-once, ``OffsetCommits``: commit what is
+   answered; exactly-once, where offsets go into transactions, ``TransactionCommits``: read the group's generation
+   for them);
 4. pause or resume the partitions for flow control (``flow``).
 
 Rebalances run inside ``consume()`` (``rebalance``). Because this thread never runs the model, a slow model
@@ -33,9 +34,8 @@ import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.delivery.at_least_once import OffsetCommits
-from kinference.consumer.delivery.commit import OffsetTracker
-from kinference.consumer.delivery.exactly_once import ExactlyOnce
+from kinference.consumer.ledger.commit import OffsetTracker
+from kinference.consumer.ledger.commits import Commits
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.flow import FlowControl
 from kinference.consumer.path.intake import Intake
@@ -168,7 +168,7 @@ class Source:
         self,
         config: ServiceConfig,
         intake: Intake[OffsetTracker],
-        commits: OffsetCommits | ExactlyOnce,
+        commits: Commits,
         metrics: Metrics,
         consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
     ) -> None:
@@ -183,9 +183,7 @@ class Source:
         self._budget = intake.budget
         self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics, intake.budget)
         self.rebalance = Rebalance(config, intake, self._flow, commits, metrics)
-        callbacks: dict[str, Any] = {"error_cb": self.errors.on_client, "stats_cb": self._on_stats}
-        if isinstance(commits, OffsetCommits):  # exactly-once commits no offsets through the consumer
-            callbacks["on_commit"] = commits.on_commit
+        callbacks = {"error_cb": self.errors.on_client, "stats_cb": self._on_stats, **commits.consumer_callbacks()}
         self._consumer = consumer_factory({**config.consumer_config(), **callbacks})
         self._loop = PollLoop("kinference-source", self.errors, self._poll_once, self._close_consumer)
 

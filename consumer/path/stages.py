@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from kinference.consumer.config import Batching
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.logs import about
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path.request import Request
 from kinference.errors import RequestError
 from kinference.handlers.base import Handler
 from kinference.protocol import ErrorCode, encode_result

@@ -26,6 +26,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from types import TracebackType
+from typing import cast
 
 import orjson
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
@@ -120,7 +121,9 @@ class LoopThread(ABC):
         """Produce ``value`` as the reply to ``request``, where the request's routing headers say."""
         assert self.producer is not None
         topic, partition, correlation = _routing(request)
-        headers = [(CORRELATION_ID, correlation), (BATCH_SIZE, str(batch_size).encode())]
+        # confluent-kafka's own header type: its list is invariant, so a list of bytes values is not one.
+        headers: list[tuple[str, str | bytes | None]] = [(CORRELATION_ID, correlation),
+                                                         (BATCH_SIZE, str(batch_size).encode())]
         while True:
             try:
                 self.producer.produce(topic, value, request.key(), partition=partition, headers=headers)
@@ -187,7 +190,7 @@ class PerMessageLoop(LoopThread):
         record = self.consumer.poll(_POLL_S)
         if record is None or record.error() is not None:
             return
-        text = orjson.loads(record.value())["text"]
+        text = orjson.loads(cast(bytes, record.value()))["text"]
         embedding = self.embed([text])[0]
         self.reply(record, orjson.dumps({"result": {"embedding": embedding}}))
 
@@ -268,13 +271,16 @@ class MiniLM:
             tokens = self.model(**encoded).last_hidden_state
         mask = encoded["attention_mask"].unsqueeze(-1).to(tokens.dtype)
         pooled = (tokens * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, p=2, dim=1).tolist()
+        embeddings: list[list[float]] = torch.nn.functional.normalize(pooled, p=2, dim=1).tolist()
+        return embeddings
 
 
 def _routing(request: Message) -> tuple[str, int, bytes]:
     """(reply topic, reply partition, correlation id) from the request's headers."""
     topic, partition, correlation = None, None, b""
-    for name, raw in request.headers() or []:
+    # A consumed record's headers are a list of (name, bytes or None); confluent-kafka's type also allows what
+    # produce() takes (a dict, str values).
+    for name, raw in cast("list[tuple[str, bytes | None]]", request.headers() or []):
         if raw is None:
             continue
         if name == REPLY_TO:

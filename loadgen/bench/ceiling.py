@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -59,7 +59,7 @@ def measure_plain_model(model: torch.nn.Module, batches: Sequence[dict[str, torc
     ``seconds``: padded tensors already on the model's device, so nothing but the forward pass is timed. What
     no serving code around this model can pass on this device."""
     device = next(model.parameters()).device
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    synchronize: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     with torch.inference_mode():
         model(**batches[0])  # the first call of a shape
         synchronize()

@@ -135,7 +135,8 @@ def _expect(word: str, child: BaseProcess, receive: Connection, timeout_s: float
         raise KinferenceError(f"{what} exited with code {child.exitcode} before it reported {word}") from None
     if said != word:
         raise KinferenceError(f"{what} failed:\n{detail}")
-    return detail
+    report: dict[str, Any] = detail
+    return report
 
 
 def _reap(child: BaseProcess) -> None:

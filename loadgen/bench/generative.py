@@ -311,9 +311,10 @@ class GenerateBench:
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
         handler = GenerateHandler()
         handler.setup(HandlerContext(device="cpu", model=model_dir, options=options.handler_options()))
-        contenders = {CONTINUOUS: lambda: continuous(handler, options.max_tokens),
-                      PER_REQUEST: lambda: per_request(model, tokenizer, options.max_tokens),
-                      STATIC: lambda: static(model, tokenizer, options.max_tokens)}
+        contenders: dict[str, Callable[[], InProcess]] = {
+            CONTINUOUS: lambda: continuous(handler, options.max_tokens),
+            PER_REQUEST: lambda: per_request(model, tokenizer, options.max_tokens),
+            STATIC: lambda: static(model, tokenizer, options.max_tokens)}
         rows = []
         try:
             for streams in STREAMS:

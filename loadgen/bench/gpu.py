@@ -57,7 +57,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from transformers import AutoModel, AutoTokenizer
 
-from kinference.consumer.brokers.broker import EmbeddedBroker, free_port
+from kinference.consumer.brokers.broker import EmbeddedBroker
+from kinference.consumer.brokers.ports import free_port
 from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import resolve_device
 from kinference.errors import KinferenceError

@@ -115,7 +115,8 @@ class SmallResNet(nn.Module):
         self.head = nn.Linear(width * 8, classes)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages(self.stem(pixels)).mean(dim=(2, 3)))
+        logits: torch.Tensor = self.head(self.stages(self.stem(pixels)).mean(dim=(2, 3)))
+        return logits
 
 
 class _Residual(nn.Module):
@@ -416,8 +417,8 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     if single and tuned:
         one, best = max(single, key=_rate), max(tuned, key=_rate)
         threads = best["preprocess_threads"]
-        predicted = (predicted_rate(threads, *seconds.values(), available)
-                     / predicted_rate(1, *seconds.values(), available))
+        costs_s = seconds["decode"], seconds["infer"], seconds["infer_cpu"]
+        predicted = predicted_rate(threads, *costs_s, available) / predicted_rate(1, *costs_s, available)
         measured = best["images_per_s"] / one["images_per_s"]
         kafka = _through_kafka(best, threads, seconds, cores) / _through_kafka(one, 1, seconds, cores)
         targets.append({"target": "tuned parallelism beats one preprocess thread by >= 0.9x the predicted gain",
@@ -433,11 +434,13 @@ def evaluate_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _through_kafka(run: dict[str, Any], threads: int, seconds: dict[str, float], cores: int) -> float:
     """The prediction with the run's own machine CPU per image (model, Kafka client, broker, service)."""
-    return min(threads / seconds["decode"], 1 / seconds["infer"], cores * 1000 / run["machine_cpu_ms"])
+    rate: float = min(threads / seconds["decode"], 1 / seconds["infer"], cores * 1000 / run["machine_cpu_ms"])
+    return rate
 
 
 def _rate(run: dict[str, Any]) -> float:
-    return run["images_per_s"]
+    rate: float = run["images_per_s"]
+    return rate
 
 
 def tables(report: dict[str, Any]) -> Titled:

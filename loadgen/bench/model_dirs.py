@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoTokenizer, BertConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModel, AutoTokenizer, BertConfig, PretrainedConfig, PreTrainedModel
 
 from kinference.handlers.text import TOKENIZER_FILES, WEIGHT_FILES
 
@@ -73,17 +73,21 @@ def _prepare(spec: str, name: str, target: Path, random_init: bool, seed: int) -
     if len(tokenizer) > config.vocab_size:
         raise ValueError(f"model {spec}: its config's vocabulary ({config.vocab_size}) is smaller than the "
                          f"tokenizer's ({len(tokenizer)}); add the model's own tokenizer to the directory")
-    model = _random_model(config, seed) if random_init else AutoModel.from_pretrained(source, local_files_only=True)
+    if random_init or source is None:  # no source (bert-base) is random_init already
+        model = _random_model(config, seed)
+    else:
+        model = AutoModel.from_pretrained(source, local_files_only=True)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     return BenchModel(name, spec, target, random_init, model.num_parameters())
 
 
-def _random_model(config: PretrainedConfig, seed: int) -> torch.nn.Module:
+def _random_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     """The model of ``config`` with random weights, the same for the same ``seed``."""
     with torch.random.fork_rng():  # without reseeding the caller's generator
         torch.manual_seed(seed)
-        return AutoModel.from_config(config)
+        model: PreTrainedModel = AutoModel.from_config(config)
+        return model
 
 
 def _bundled_dir() -> Path:

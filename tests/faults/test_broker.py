@@ -17,7 +17,8 @@ import orjson
 import pytest
 
 from kinference import protocol
-from kinference.consumer.brokers.broker import EmbeddedBroker, free_port
+from kinference.consumer.brokers.broker import EmbeddedBroker
+from kinference.consumer.brokers.ports import free_port
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import Service

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import orjson
 
+from kinference.consumer.ledger.budget import ByteBudget
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path.budget import ByteBudget
 from kinference.consumer.path.flow import FlowControl
 from kinference.consumer.path.request import RequestDecoder
 from kinference.consumer.wire import jsonscan

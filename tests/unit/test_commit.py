@@ -3,8 +3,8 @@ import threading
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from kinference.consumer.delivery.at_least_once import OffsetCommits
-from kinference.consumer.delivery.commit import OffsetTracker
+from kinference.consumer.ledger.commit import OffsetTracker
+from kinference.consumer.ledger.commits import OffsetCommits
 from kinference.consumer.ops.metrics import Metrics
 from tests.fakes import make_request
 

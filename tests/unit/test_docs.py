@@ -214,10 +214,6 @@ def test_the_quick_start_against_the_embedded_broker_sets_what_it_needs():
 
 # --- README's flow diagram -----------------------------------------------------------------------------
 
-_TRAVELLING = "path.request"
-"""The value that travels through every stage: each stage may use its type."""
-
-
 def request_path() -> list[str]:
     """The modules of README's flow diagram, top to bottom (its left column), as ``subpackage.module`` of
     ``kinference.consumer``."""
@@ -253,7 +249,8 @@ def test_the_flow_diagram_follows_a_request_through_each_module_once_and_never_b
     for module in path:
         assert module_file(module).is_file(), module
     for index, module in enumerate(path):
-        back = (consumer_imports(module) & set(path[:index])) - {_TRAVELLING}
+        # The value that travels through every stage, the Request, is the floor's (ledger.request), not the path's.
+        back = consumer_imports(module) & set(path[:index])
         assert not back, f"{module} reaches back to {sorted(back)}, before it on the request's path"
 
 
@@ -291,7 +288,7 @@ def test_the_service_wires_a_request_s_path_in_the_flow_diagram_s_order(delivery
     """Issue 30, item 5: imports alone miss a hop that an injected callable takes (a closure in the service, a
     protocol). Here each hop is an object the one before it holds, defined in the diagram's next module; the
     commits on the poll thread work on the ledger the intake tracks requests in."""
-    from kinference.consumer.delivery.at_least_once import OffsetCommits
+    from kinference.consumer.ledger.commits import OffsetCommits, TransactionCommits
 
     service, publisher, source = built_service(delivery)
     try:
@@ -301,13 +298,14 @@ def test_the_service_wires_a_request_s_path_in_the_flow_diagram_s_order(delivery
         modules = [type(obj).__module__.removeprefix("kinference.consumer.") for _, obj in chain]
         assert modules == path, f"Service builds {modules}; the diagram says {path}"
         # The ledger the intake tracks each request in is the one the delivery mode hands it back to, answered, and
-        # the one the poll thread commits from (exactly-once: the delivery mode is also the poll thread's commits).
+        # the one the mode's poll-thread side commits from (exactly-once: the two sides share their transactions).
         tracker, delivery_mode, commits = source._intake.tracker, publisher._delivery, source._commits
         if mode == "exactly_once":
-            assert delivery_mode._tracker is tracker and commits is delivery_mode
+            assert delivery_mode._tracker is tracker and isinstance(commits, TransactionCommits)
+            assert commits._transactions is delivery_mode._transactions
         else:
             assert delivery_mode._ledger is tracker and isinstance(commits, OffsetCommits)
-            assert commits._tracker is tracker
+        assert commits._tracker is tracker
         assert source.rebalance._commits is commits
     finally:  # the clients Service made: their threads and connection attempts end here
         source._consumer.close()

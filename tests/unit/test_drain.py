@@ -25,7 +25,7 @@ def test_a_sample_goes_to_its_innermost_known_stage():
               "Publisher._on_delivery (consumer/delivery/publisher.py:2)")
     assert stage_of(f"{report};AtLeastOnce._settle (consumer/delivery/at_least_once.py:3)".split(";")) \
         == "publish: delivery reports"
-    assert stage_of(f"{poll};OffsetCommits.turn (consumer/delivery/at_least_once.py:4)".split(";")) == "commit"
+    assert stage_of(f"{poll};OffsetCommits.turn (consumer/ledger/commits.py:4)".split(";")) == "commit"
 
 
 def test_a_profile_sums_samples_per_stage_and_leaves_waiting_out():

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kinference import protocol
-from kinference.consumer.path import answers
+from kinference.consumer.delivery import answers
 from kinference.consumer.path import request as requests
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode

@@ -11,9 +11,9 @@ from typing import Any
 import orjson
 import pytest
 
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.generations import Generations, GenerationSettings, StreamChunk
-from kinference.consumer.path.request import Request
 from kinference.handlers.generative import Event, GenerativeHandler, Prompt, Sampling
 from kinference.protocol import ATTEMPT, EVENT, SEQUENCE
 from tests.fakes import make_request, wait_for

@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 import pytest
 
-from kinference.consumer.path.answers import reply_value
+from kinference.consumer.delivery.answers import reply_value
 from kinference.consumer.path.request import RequestDecoder
 from kinference.consumer.wire import oip
 from kinference.errors import RequestError

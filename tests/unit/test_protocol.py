@@ -6,8 +6,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from kinference import protocol
+from kinference.consumer.delivery import answers
 from kinference.consumer.delivery.topic_metadata import ExistingTopics
-from kinference.consumer.path import answers
 from kinference.consumer.path import request as requests
 from kinference.consumer.wire import jsonscan
 from kinference.errors import RequestError

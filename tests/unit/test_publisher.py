@@ -10,9 +10,10 @@ import pytest
 from confluent_kafka import KafkaError, TopicPartition
 
 from kinference.consumer.delivery.at_least_once import AtLeastOnce
-from kinference.consumer.delivery.commit import OffsetTracker
 from kinference.consumer.delivery.exactly_once import ExactlyOnce
 from kinference.consumer.delivery.publisher import Publisher, PublishSettings
+from kinference.consumer.ledger.commit import OffsetTracker
+from kinference.consumer.ledger.commits import Transactions
 from kinference.consumer.ops.metrics import Metrics
 from kinference.errors import RequestError
 from kinference.protocol import ERROR_CODE, ErrorCode, encode_result
@@ -33,7 +34,7 @@ class Harness:
         self.metrics = Metrics()
         delivery: AtLeastOnce | ExactlyOnce
         if mode == EXACTLY_ONCE:
-            delivery = ExactlyOnce(self.tracker, "dead", self.metrics, commit_interval_s=0.05)
+            delivery = ExactlyOnce(self.tracker, Transactions(), "dead", self.metrics, commit_interval_s=0.05)
             config = {"transactional.id": "tid"}
         else:
             delivery = AtLeastOnce(self.tracker, "dead")

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from kinference.consumer.config import load_config
-from kinference.consumer.path.answers import reply_headers
+from kinference.consumer.delivery.answers import reply_headers
 from kinference.consumer.path.request import RequestDecoder
 from kinference.consumer.path.router import ModelRoute, Router
 from kinference.consumer.wire import oip

@@ -14,7 +14,7 @@ import pytest
 from confluent_kafka.schema_registry import SchemaRegistryClient
 
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.path.answers import reply_headers, reply_value
+from kinference.consumer.delivery.answers import reply_headers, reply_value
 from kinference.consumer.path.request import RequestDecoder
 from kinference.consumer.wire.schemaids import SchemaLookups
 from kinference.consumer.wire.serdes import REPLY_NAME, SchemaRegistryFormat, embedding_bytes

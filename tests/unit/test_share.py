@@ -1,5 +1,6 @@
-"""Share groups (consumer/path/share.py): each record's acknowledgement follows its outcome, and the poll thread alone
-calls the share consumer. The broker side runs in tests/faults/test_share_groups.py (Apache Kafka)."""
+"""Share groups (consumer/ledger/share.py, consumer/path/share.py): each record's acknowledgement follows its outcome,
+and the poll thread alone calls the share consumer. The broker side runs in tests/faults/test_share_groups.py (Apache
+Kafka)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import time
 import pytest
 
 from kinference.consumer.config import ServiceConfig, load_config
+from kinference.consumer.delivery.answers import InFlight
 from kinference.consumer.delivery.at_least_once import AtLeastOnce
+from kinference.consumer.ledger.share import AcknowledgeType, ShareLedger
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path.answers import InFlight
 from kinference.consumer.path.intake import Intake
 from kinference.consumer.path.request import RequestDecoder
-from kinference.consumer.path.share import AcknowledgeType, ShareLedger, ShareSource
+from kinference.consumer.path.share import ShareSource
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import ErrorCode
 from tests.fakes import FakeModels, FakeRecord

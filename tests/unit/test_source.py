@@ -11,8 +11,8 @@ import pytest
 from confluent_kafka import KafkaError, TopicPartition
 
 from kinference.consumer.config import ServiceConfig
-from kinference.consumer.delivery.commit import OffsetTracker
-from kinference.consumer.delivery.exactly_once import ExactlyOnce
+from kinference.consumer.ledger.commit import OffsetTracker
+from kinference.consumer.ledger.commits import TransactionCommits, Transactions
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.flow import FlowControl
 from kinference.consumer.path.intake import Intake
@@ -97,6 +97,9 @@ class Committer:
     @property
     def in_flight(self) -> int:
         return self._tracker.in_flight
+
+    def consumer_callbacks(self):
+        return {}
 
     def turn(self, consumer, now):
         pass
@@ -233,7 +236,7 @@ def test_leaving_the_group_ends_the_revoke_although_the_consumer_has_no_generati
     never comes, and it waits its 0.05 s)."""
     metrics = Metrics()
     source, consumer, *_ = make_source(metrics, kafka_consumer={"partition.assignment.strategy": strategy},
-                                       commits=lambda tracker: ExactlyOnce(tracker, "dead", metrics, 1.0, 0.05))
+                                       commits=lambda tracker: TransactionCommits(tracker, Transactions(), 0.05))
     source._on_assign(consumer, [tp(0), tp(1)])
     source.start()
     with caplog.at_level(logging.INFO, logger="kinference.consumer"):

@@ -16,6 +16,7 @@ pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.trace import SpanKind, StatusCode
 
 from kinference.consumer.config import Batching, ServiceConfig
+from kinference.consumer.delivery.answers import reply_headers
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.ops.tracing import (
     BATCH_SPAN,
@@ -27,7 +28,6 @@ from kinference.consumer.ops.tracing import (
     extract,
     request_attributes,
 )
-from kinference.consumer.path.answers import reply_headers
 from kinference.consumer.path.request import RequestDecoder
 from kinference.consumer.path.stages import ModelRun, Pipeline
 from kinference.consumer.service import Service

@@ -1,14 +1,16 @@
-"""Exactly-once's transactional contract (``exactly_once``), through the publisher, with a fake transactional producer
-(pure logic). What both delivery modes share is tested in ``test_publisher``."""
+"""Exactly-once's transactional contract (``exactly_once``, and its poll-thread side ``ledger.commits``), through the
+publisher, with a fake transactional producer (pure logic). What both delivery modes share is tested in
+``test_publisher``."""
 
 from __future__ import annotations
 
 from confluent_kafka import KafkaError, KafkaException
 
-from kinference.consumer.delivery.commit import OffsetTracker
 from kinference.consumer.delivery.exactly_once import ABORTS_BEFORE_UNHEALTHY, ExactlyOnce
 from kinference.consumer.delivery.member_slot import MemberSlot
 from kinference.consumer.delivery.publisher import Publisher, PublishSettings
+from kinference.consumer.ledger.commit import OffsetTracker
+from kinference.consumer.ledger.commits import TransactionCommits, Transactions
 from kinference.consumer.ops.metrics import Metrics
 from kinference.protocol import encode_result
 from tests.fakes import FakeProducer, make_request, wait_for
@@ -28,8 +30,9 @@ def fatal(code=KafkaError._FENCED):
     return KafkaException(KafkaError(code, "fenced", fatal=True))
 
 
-def new_checkpoint(tracker: OffsetTracker) -> ExactlyOnce:
-    return ExactlyOnce(tracker, "dead", metrics=Metrics(), commit_interval_s=0.05)
+def new_checkpoint(tracker: OffsetTracker, transactions: Transactions | None = None) -> ExactlyOnce:
+    """Exactly-once's publisher side, on ``transactions`` (shared with its poll side) or on its own."""
+    return ExactlyOnce(tracker, transactions or Transactions(), "dead", metrics=Metrics(), commit_interval_s=0.05)
 
 
 def publisher_with(tracker: OffsetTracker, failures=None, checkpoint: ExactlyOnce | None = None,
@@ -60,19 +63,20 @@ def new_tracker():
 
 def test_replies_and_their_offsets_commit_together_in_offset_runs():
     tracker = new_tracker()
-    checkpoint = new_checkpoint(tracker)
+    transactions = Transactions()
+    checkpoint, commits = new_checkpoint(tracker, transactions), TransactionCommits(tracker, transactions)
     publisher, producer = publisher_with(tracker, checkpoint=checkpoint)
     first, second, third = (tracked(tracker, offset) for offset in (0, 1, 2))
     publisher.submit([third, first])  # 1 missing: only offset 0 can commit
     assert wait_for(lambda: producer.committed)
     assert producer.committed[0][1] == [("requests", 0, 1)] and len(producer.committed[0][0]) == 1
     # third waits for second, and counts towards backpressure with it
-    assert checkpoint.held == 1 and checkpoint.in_flight == 2
+    assert checkpoint.held == 1 and commits.in_flight == 2
     publisher.submit([second])
     assert wait_for(lambda: len(producer.committed) == 2)
     assert producer.committed[1][1] == [("requests", 0, 3)] and len(producer.committed[1][0]) == 2
     publisher.stop(5)
-    assert checkpoint.in_flight == 0 and publisher.failure is None
+    assert commits.in_flight == 0 and publisher.failure is None
 
 
 def test_a_retriable_commit_error_repeats_the_same_call_and_never_aborts():
@@ -172,11 +176,13 @@ def test_the_poll_thread_reads_the_generation_that_fences_the_transaction_and_ke
     """KIP-447: each transaction carries the group generation the poll thread read last (the publisher thread cannot
     ask the consumer). A revoke while leaving the group finds none: it does not fail, and the last one stays."""
     tracker = new_tracker()
-    checkpoint = ExactlyOnce(tracker, "dead", metrics=Metrics(), commit_interval_s=0.05, timeout_s=0.05)
+    transactions = Transactions()
+    checkpoint = ExactlyOnce(tracker, transactions, "dead", metrics=Metrics(), commit_interval_s=0.05, timeout_s=0.05)
+    commits = TransactionCommits(tracker, transactions, timeout_s=0.05)
     consumer = GroupConsumer()
-    checkpoint.turn(consumer, 0.0)
+    commits.turn(consumer, 0.0)
     consumer.generation = None
-    checkpoint.commit(consumer, [P0])  # no publisher yet: waits its 0.05 s for a transaction, and goes on
+    commits.commit(consumer, [P0])  # no publisher yet: waits its 0.05 s for a transaction, and goes on
     publisher, producer = publisher_with(tracker, checkpoint=checkpoint)
     publisher.submit([tracked(tracker, 0)])
     assert wait_for(lambda: producer.committed)

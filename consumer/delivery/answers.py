@@ -31,7 +31,7 @@ from typing import Literal
 
 from confluent_kafka import KafkaError
 
-from kinference.consumer.path.request import Request
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.types import Headers
 from kinference.errors import RequestError
 from kinference.protocol import (

@@ -32,13 +32,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import Protocol
 
 from confluent_kafka import TopicPartition
 
-from kinference.consumer.path.request import Request
+from kinference.consumer.ledger.request import Request
 from kinference.consumer.types import PartitionKey
 
 log = logging.getLogger(__name__)
+
+
+class Ledger(Protocol):
+    """Where a delivery mode hands the requests it answered: a consumer group's ``OffsetTracker`` (their offsets
+    become committable) or a share group's ``share.ShareLedger`` (their records are acknowledged)."""
+
+    def finish(self, requests: Iterable[Request]) -> None: ...
 
 
 class PartitionLedger:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from kinference.consumer.path.request import Request
+from kinference.consumer.ledger.request import Request
 
 _MEAN_WEIGHT = 0.2
 """How much each poll moves the mean bytes per record that ``records_allowed`` plans with."""
