@@ -22,7 +22,7 @@ The subpackages:
 - ``ledger``       the floor below both, which they share and which imports neither: the ``Request``, the commit
   ledger, a share group's ledger, the byte budget, the poll thread's side of the two delivery modes;
 - ``wire``         request values other than kinference's own JSON, and the bounds every value is read within:
-  the Open Inference Protocol, Schema Registry formats, ``jsonscan``, ``schemabounds``;
+  the Open Inference Protocol, Schema Registry formats, ``jsonscan``, ``schemabounds``, ``schemaids``;
 - ``accelerator``  one device process per GPU and the workers' links to it (batches, a generative engine), the
   shared memory between them, the start-up calibration;
 - ``ops``          what operators run and watch: the CLI, the ``--workers`` supervisor, the HTTP endpoints, metrics,

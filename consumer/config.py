@@ -313,6 +313,10 @@ class ServiceConfig(BaseModel):
         True, description="Register kinference's reply schema under the reply topic's subject "
         "(--no-auto-register-schemas: it must be registered already).",
     )
+    schema_registry_miss_ttl_s: float = Field(
+        30.0, gt=0, description="A schema id the Schema Registry did not find (or failed to look up) is not asked "
+        "about again for this long: its records get the same error at once.",
+    )
 
     # --- Batching
     batching: Batching = Field(Batching(), description="How requests are batched and run: the options "

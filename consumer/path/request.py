@@ -39,9 +39,6 @@ if TYPE_CHECKING:  # the Schema Registry client is an optional extra: imported o
     from kinference.consumer.wire.serdes import SchemaRegistryFormat
 
 _LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
-_BINARY_DECODED = 40
-"""What an Avro or Protobuf record holds decoded, per byte, at most: a one-byte varint becomes an int and its slot
-(36 bytes)."""
 
 
 def _any_topic(_topic: str) -> bool:
@@ -130,8 +127,8 @@ class RequestDecoder:
         value = request.value or b""
         if request.payload is None or isinstance(request.payload, bytes | Record):
             return len(value)  # not decoded, or handed over as the bytes themselves
-        if self.schemas is not None and self.schemas.value_format != "jsonschema":
-            return _BINARY_DECODED * len(value)
+        if self.schemas is not None:
+            return self.schemas.held_bytes(value)  # bounded by the record's schema
         return jsonscan.decoded_bytes(value)
 
     def _route(self, request: Request, router: Router) -> ModelRoute:

@@ -8,6 +8,9 @@ Both are read from the writer's schema, once per schema: a schema that can nest 
 with its recursion unrolled to the limit, where a type that raises when read (``_NESTING_LIMIT``) stands for what
 would nest deeper, and a schema with an array of items that take no bytes is refused.
 
+What an Avro value holds decoded is bounded from its writer's schema too (``AvroHeld``): a 900 KB array of
+one-boolean records held 173 MB decoded (192x its bytes), five times the 40x charged to every Avro value before.
+
 Protobuf: ``message_to_dict`` is the proto3 JSON mapping of ``json_format.MessageToDict`` (``.proto`` field names),
 with a repeated scalar field converted a field at a time in C (``json_format`` takes a Python step per element,
 ~850 µs per KB of packed floats, ~30 now) and the nesting counted as it goes.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -150,6 +154,155 @@ class _AvroWalk:
         return definition(name)
 
 
+_ALIGN = 16
+"""Python's small-object allocator hands out blocks in multiples of 16 bytes."""
+_SLOT = 16
+"""A list's slot per item, with the spare slots ``list.append`` keeps: up to twice the items in a short list (five
+items in eight slots), an eighth more in a long one."""
+_LIST = 56
+"""An empty list, paid by the count that ends the array (its first four slots by the count before the items)."""
+_MAP_ENTRY = 60
+"""A dict's share per key: its first table (120 bytes, up to five keys) paid by the first key and count (two bytes
+or more), then ~35 bytes a key as the table doubles."""
+_MAP = 64
+"""An empty dict, paid by the count that ends the map."""
+_PER_BYTE = {"boolean": 0, "int": 32, "long": 32, "float": 8, "double": 4, "string": 28, "bytes": 24, "enum": 0}
+"""Bytes held per byte read, at most, for each scalar type (each takes a byte or more): an int of one varint byte is
+a 32-byte object (small ones are shared); a string of 2 bytes and its length a 76-byte object (a UCS-2 character:
+26x); bytes of 1 byte 48 (24x); an enum's symbol the schema's own string. A float 32 in 4, a double in 8."""
+_LOGICAL = 128
+"""A logical type's object (a Decimal, datetime, UUID) beside its underlying value, per byte (it takes one or more)."""
+_TOP = 256
+"""Beside what the value's bytes pay for: the top-level value's own object."""
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+class AvroHeld:
+    """At most what a value of an Avro schema (parsed, and bounded: no recursion) holds decoded: ``per_byte`` times
+    its bytes, plus ``fixed``. Read from the schema once, so that a record is charged (or refused) before it is
+    decoded.
+
+    Each object of the decoded value is paid for by bytes of the value that no other object uses: a scalar, an
+    array, a map or a union by its own bytes (the varints of its value, counts, length or branch index: one or
+    more); a record (which has no bytes of its own: its fields' bytes are its value) by the bytes of the scalars,
+    arrays, maps and unions among its fields, nested records followed; a record made of nulls alone by its parent
+    (a union's index, a map's key; an array of such records is refused by ``bounded_avro_schema``). ``per_byte`` is
+    the most any byte pays for. The top-level record and the records in it are one each: counted once, in
+    ``fixed``."""
+
+    def __init__(self, parsed: Any) -> None:
+        named = parsed.get("__named_schemas", {}) if isinstance(parsed, dict) else {}
+        self._named: dict[str, Any] = named
+        self._clusters: dict[int, tuple[int, int]] = {}
+        self._visited: set[tuple[int, float]] = set()
+        self.per_byte = 0.0
+        self.fixed = _TOP
+        if self._pays(parsed):
+            self._visit(parsed, 0.0)
+        else:  # the top record and the records in it, once: a constant, not spread over its bytes
+            self.fixed += self._cluster(parsed)[0]
+            self._members(parsed, 0.0)
+
+    def of(self, size: int) -> int:
+        """At most what a value of ``size`` bytes holds decoded, its bytes included."""
+        return int(size * (1 + self.per_byte)) + self.fixed
+
+    def _resolve(self, schema: Any) -> Any:
+        return self._named.get(schema, schema) if isinstance(schema, str) else schema
+
+    def _pays(self, schema: Any) -> bool:
+        """Whether a value of ``schema`` has bytes of its own (is not a record, a null or a fixed of no bytes)."""
+        schema = self._resolve(schema)
+        if isinstance(schema, list):
+            return True
+        kind = schema if isinstance(schema, str) else schema.get("type")
+        if kind == "fixed":
+            return bool(schema["size"] > 0)
+        return kind not in ("record", "error", "null")
+
+    def _cluster(self, schema: Any) -> tuple[int, int]:
+        """A record (or null) and the records among its fields, nested: what they hold, and how many values with bytes
+        of their own they contain (which pay for them)."""
+        schema = self._resolve(schema)
+        if not isinstance(schema, dict) or schema.get("type") not in ("record", "error"):
+            return 0, 0
+        known = self._clusters.get(id(schema))
+        if known is None:
+            cost, payers = _record_bytes(len(schema["fields"])), 0
+            for field in schema["fields"]:
+                inner = (0, 1) if self._pays(field["type"]) else self._cluster(field["type"])
+                cost, payers = cost + inner[0], payers + inner[1]
+            known = self._clusters[id(schema)] = (cost, payers)
+        return known
+
+    def _visit(self, schema: Any, share: float) -> None:
+        """Every value of ``schema`` with bytes of its own pays ``share`` per byte beside its own objects: what the
+        records around it (or its list slot) hold, split among the values that pay for them."""
+        schema = self._resolve(schema)
+        if (id(schema), share) in self._visited:
+            return
+        self._visited.add((id(schema), share))
+        if not self._pays(schema):
+            cost, payers = self._cluster(schema)
+            if payers:
+                self._members(schema, (cost + share) / payers)
+            return
+        self.per_byte = max(self.per_byte, self._own(schema) + share)
+        if isinstance(schema, list):
+            for branch in schema:
+                self._visit(branch, 0.0)
+        elif isinstance(schema, dict) and schema.get("type") == "array":
+            self._visit(schema["items"], _SLOT)
+        elif isinstance(schema, dict) and schema.get("type") == "map":
+            self._visit(schema["values"], 0.0)
+
+    def _members(self, schema: Any, share: float) -> None:
+        """``_visit`` each field with bytes of its own in a record and its nested records."""
+        schema = self._resolve(schema)
+        if not isinstance(schema, dict) or schema.get("type") not in ("record", "error"):
+            return
+        for field in schema["fields"]:
+            if self._pays(field["type"]):
+                self._visit(field["type"], share)
+            else:
+                self._members(field["type"], share)
+
+    def _unpaid(self, schema: Any) -> int:
+        """What a value of ``schema`` holds that its own fields cannot pay for (a record of nulls): 0 otherwise."""
+        if self._pays(schema):
+            return 0
+        cost, payers = self._cluster(schema)
+        return cost if payers == 0 else 0
+
+    def _own(self, schema: Any) -> float:
+        """The most a value of ``schema`` (one with bytes of its own) holds per byte of its own."""
+        if isinstance(schema, list):  # the branch index pays for a branch that cannot pay for itself
+            return float(max((self._unpaid(branch) for branch in schema), default=0))
+        if isinstance(schema, str):
+            return _PER_BYTE.get(schema, 0)
+        kind = schema.get("type")
+        logical = _LOGICAL if "logicalType" in schema else 0
+        if kind == "array":
+            return _LIST  # paid by the count that ends it
+        if kind == "map":  # each key: its string, its entry and a value of nulls
+            return max(_MAP, _PER_BYTE["string"] + _MAP_ENTRY + self._unpaid(schema["values"]))
+        if kind == "fixed":
+            size = int(schema["size"])
+            return logical + _aligned(sys.getsizeof(b"") + size) / size
+        return logical + _PER_BYTE.get(kind, 0)
+
+
+def _record_bytes(fields: int) -> int:
+    """A record's dict of ``fields`` keys, filled a key at a time as fastavro fills it."""
+    record: dict[str, None] = {}
+    for index in range(fields):
+        record[str(index)] = None
+    return _aligned(sys.getsizeof(record))
+
+
 def _type_name(schema: Any) -> str:
     if isinstance(schema, str):
         return schema
@@ -158,6 +311,9 @@ def _type_name(schema: Any) -> str:
 
 # --- Protobuf
 
+PROTOBUF_PER_BYTE = 100
+"""The most a Protobuf value holds as ``message_to_dict``'s dict, per byte (measured): a chain of nested messages, each
+level two bytes and a one-key dict, 92; packed int64s, each a string, 58; repeated one-boolean messages 48."""
 _WRAPPERS = "google/protobuf/wrappers.proto"
 _AS_STRING = frozenset(("google.protobuf.Timestamp", "google.protobuf.Duration", "google.protobuf.FieldMask"))
 _WELL_KNOWN = _AS_STRING | {f"google.protobuf.{name}" for name in ("Any", "Struct", "Value", "ListValue")}

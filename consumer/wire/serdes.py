@@ -4,7 +4,10 @@
 A request's schema is its producer's: the deserializer finds it in the registry by the schema id the record
 carries (in the value's prefix, the Confluent wire format, or in the ``__value_schema_id`` header), and the
 decoded record is the handler's payload, a dict. A value that cannot be decoded (no magic byte, an unknown
-schema id, bytes that do not match the schema) is that request's ``bad_request``.
+schema id, bytes that do not match the schema) is that request's ``bad_request``. The schema id is read first,
+bounded, and an id the registry did not know is asked about once per interval (``schemaids``); what the record will
+hold decoded is bounded from its schema before it is decoded (``schemabounds``), and a record that could hold more
+than the whole byte budget is refused (``payload_too_large``).
 
 A reply is kinference's own ``kinference.Reply`` record (``REPLY_SCHEMAS``), registered under the reply topic's
 subject: ``status`` ``ok`` with the result, or ``error`` with the code and message. An embedding
@@ -48,7 +51,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.types import Headers
-from kinference.consumer.wire import jsonscan, schemabounds
+from kinference.consumer.wire import jsonscan, schemabounds, schemaids
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import ErrorCode, PayloadFormat, encode_error
 
@@ -195,7 +198,8 @@ class SchemaRegistryFormat:
     """The Schema Registry serdes of one ``--value-format``, shared by the service's threads."""
 
     def __init__(self, value_format: str, client: SchemaRegistryClient, subject_name_strategy: str = "topic",
-                 schema_id_location: str = "prefix", auto_register: bool = True) -> None:
+                 schema_id_location: str = "prefix", auto_register: bool = True,
+                 limits: SchemaLimits | None = None) -> None:
         if value_format not in _FORMAT_NAMES:
             raise ValueError(f"value_format must be one of {', '.join(_FORMAT_NAMES)}, not {value_format!r}")
         self.value_format = value_format
@@ -209,6 +213,9 @@ class SchemaRegistryFormat:
             "schema.id.serializer": (header_schema_id_serializer if schema_id_location == "header"
                                      else prefix_schema_id_serializer),
         }
+        self.limits = limits or SchemaLimits()
+        self._lookups = schemaids.SchemaLookups(self.limits.miss_ttl_s)
+        self._held = _HeldBytes(self.limits.max_held_bytes, self.name)
         self._reader = self._deserializer()
         self._writers = threading.local()
 
@@ -220,7 +227,8 @@ class SchemaRegistryFormat:
             raise ConfigError(f"--value-format {config.value_format} hands the handler the decoded record (a dict): "
                               f"it needs a handler that takes JSON payloads, not {payload_format}")
         schemas = cls(config.value_format, SchemaRegistryClient.new_client(config.schema_registry_config()),
-                      config.subject_name_strategy, config.schema_id_location, config.auto_register_schemas)
+                      config.subject_name_strategy, config.schema_id_location, config.auto_register_schemas,
+                      SchemaLimits(config.schema_registry_miss_ttl_s, config.max_in_flight_bytes))
         try:
             schemas.write(config.reply_topic, [], {}, None)
         except Exception as exc:
@@ -233,25 +241,34 @@ class SchemaRegistryFormat:
         if not value:
             raise RequestError(f"request value is empty; expected a {self.name} record", ErrorCode.BAD_REQUEST)
         context = SerializationContext(topic, MessageField.VALUE, _context_headers(headers))
+        self._held.reading(len(value))
         try:
-            with jsonscan.collector_paused():  # a wide record makes as many lists or dicts as a wide JSON value
-                record = self._reader(value, context)
+            key = schemaids.schema_id(value, headers, message_indexes=self.value_format == "protobuf")
+            record = self._lookups.read(key, lambda: self._read(value, context), _lookup_error)
         except RequestError:
-            raise  # the value or its schema is past a bound (schemabounds): the reason is the message
-        except SchemaRegistryError as exc:
-            if exc.http_status_code is not None and 400 <= exc.http_status_code < 500:
-                raise RequestError(f"the request's schema is not in the Schema Registry: {exc}",
-                                   ErrorCode.BAD_REQUEST) from exc
-            raise  # the registry failed, not the record: the decoder reports an internal error
-        except HTTPError:
-            raise  # the registry could not be reached: not the record's fault either
+            raise  # the value, its schema or its id is past a bound, or its id is unknown: the reason is the message
         except Exception as exc:
+            lookup = _lookup_error(exc)
+            if lookup is not None:
+                raise lookup from exc
             raise RequestError(f"the request value is not {self.name} in the Schema Registry's wire "
                                f"format: {exc}", ErrorCode.BAD_REQUEST) from exc
         if not isinstance(record, dict):
             raise RequestError(f"the request is a {self.name} {type(record).__name__}; expected a record",
                                ErrorCode.BAD_REQUEST)
         return record
+
+    def held_bytes(self, value: bytes) -> int:
+        """About what the record ``decode`` just returned for ``value`` holds, its bytes included: at most its
+        schema's bound (Avro: ``schemabounds.AvroHeld``; Protobuf: ``schemabounds.PROTOBUF_PER_BYTE``), or, JSON
+        Schema, as kinference's JSON is estimated. Poll thread only."""
+        if self.value_format == "jsonschema":
+            return jsonscan.decoded_bytes(value)
+        return self._held.held
+
+    def _read(self, value: bytes, context: SerializationContext) -> Any:
+        with jsonscan.collector_paused():  # a wide record makes as many lists or dicts as a wide JSON value
+            return self._reader(value, context)
 
     def reply(self, topic: str) -> SchemaReply:
         return SchemaReply(self, topic)
@@ -278,9 +295,9 @@ class SchemaRegistryFormat:
     def _deserializer(self) -> Callable[[bytes, SerializationContext], Any]:
         if self.value_format == "avro":
             schemabounds.register_nesting_limit()
-            return BoundedAvroDeserializer(self.client, conf=self._read_conf)
+            return BoundedAvroDeserializer(self.client, self._read_conf, self._held)
         if self.value_format == "protobuf":
-            return ProtobufRecords(self.client, self._read_conf)
+            return ProtobufRecords(self.client, self._read_conf, self._held)
         # Not validated against the writer's schema again: its producer's serializer did, and jsonschema takes a
         # Python step per element (a 957 KB array of empty arrays: 3 s of the poll thread). Parsed and bounded in
         # depth as kinference's JSON is, the garbage collector waiting.
@@ -290,21 +307,72 @@ class SchemaRegistryFormat:
         return reader
 
 
+@dataclass(frozen=True)
+class SchemaLimits:
+    """What the poll thread allows a Schema Registry record: ``miss_ttl_s``, how long an id the registry did not
+    find is not asked about again (``schemaids.SchemaLookups``); ``max_held_bytes``, the most a record may hold
+    decoded (the byte budget, ``--max-in-flight-bytes``: a record that could hold more never fits in it)."""
+
+    miss_ttl_s: float = 30.0
+    max_held_bytes: int = 2**63
+
+
+class _HeldBytes:
+    """What the record being decoded may hold, from its size and its schema's bound per byte: set by the deserializer
+    once it has the schema, before it decodes, and refused there past ``max_bytes``."""
+
+    def __init__(self, max_bytes: int, name: str) -> None:
+        self.max_bytes = max_bytes
+        self.name = name
+        self.held = 0
+        self._size = 0
+
+    def reading(self, size: int) -> None:
+        self._size = self.held = size
+
+    def bound(self, per_byte: float, fixed: int = 0) -> None:
+        """The schema of the record being read holds at most ``per_byte`` per byte, plus ``fixed``."""
+        self.held = int(self._size * (1 + per_byte)) + fixed
+        if self.held > self.max_bytes:
+            raise RequestError(f"the request's {self.name} record of {self._size} bytes may hold up to {self.held} "
+                               f"bytes decoded (its schema allows {per_byte:.0f} per byte), more than the whole byte "
+                               f"budget (max_in_flight_bytes {self.max_bytes})", ErrorCode.PAYLOAD_TOO_LARGE)
+
+
 class BoundedAvroDeserializer(AvroDeserializer):
     """confluent-kafka's Avro deserializer, reading each writer's schema as ``schemabounds.bounded_avro_schema``
-    makes it: no value nests deeper than ``MAX_JSON_DEPTH`` levels, and an array's items take bytes. Its
+    makes it: no value nests deeper than ``MAX_JSON_DEPTH`` levels, and an array's items take bytes; and charging the
+    record what its schema allows it to hold (``schemabounds.AvroHeld``) before it is decoded. Its
     ``_get_parsed_schema`` (present since confluent-kafka 2.12, the pin .ci/lowest-versions.sh tests) parses each
     schema it reads with."""
 
-    def __init__(self, client: SchemaRegistryClient, conf: dict[str, Any]) -> None:
-        self._bounded: dict[Any, Any] = {}
+    def __init__(self, client: SchemaRegistryClient, conf: dict[str, Any], held: _HeldBytes) -> None:
+        self._bounded: dict[Any, tuple[Any, schemabounds.AvroHeld]] = {}
+        self._held = held
         super().__init__(client, conf=conf)
 
     def _get_parsed_schema(self, schema: Any) -> Any:
         bounded = self._bounded.get(schema)
         if bounded is None:
-            bounded = self._bounded[schema] = schemabounds.bounded_avro_schema(super()._get_parsed_schema(schema))
-        return bounded
+            parsed = schemabounds.bounded_avro_schema(super()._get_parsed_schema(schema))
+            bounded = self._bounded[schema] = (parsed, schemabounds.AvroHeld(parsed))
+        parsed, held = bounded
+        self._held.bound(held.per_byte, held.fixed)
+        return parsed
+
+
+def _lookup_error(exc: Exception) -> RequestError | None:
+    """The request's error when ``exc`` is the registry's answer to a schema lookup (or its failure to answer);
+    None when it is not the registry's."""
+    if isinstance(exc, SchemaRegistryError):
+        if exc.http_status_code is not None and 400 <= exc.http_status_code < 500:
+            return RequestError(f"the request's schema is not in the Schema Registry: {exc}", ErrorCode.BAD_REQUEST)
+        return RequestError(f"the Schema Registry failed to look up the request's schema: {exc}",
+                            ErrorCode.INTERNAL_ERROR)  # the registry failed, not the record
+    if isinstance(exc, HTTPError):
+        return RequestError(f"the Schema Registry could not be reached for the request's schema: {exc!r}",
+                            ErrorCode.INTERNAL_ERROR)
+    return None
 
 
 def _context_headers(headers: Headers) -> HeadersType:
@@ -322,9 +390,10 @@ class ProtobufRecords:
     present since confluent-kafka 2.12, whose pin .ci/lowest-versions.sh tests).
     """
 
-    def __init__(self, client: SchemaRegistryClient, conf: dict[str, Any]) -> None:
+    def __init__(self, client: SchemaRegistryClient, conf: dict[str, Any], held: _HeldBytes) -> None:
         self._client = client
         self._conf = conf
+        self._held = held
         self._probe = ProtobufDeserializer(ProtobufReply, conf, client)
         self._by_schema: dict[tuple[Any, ...], ProtobufDeserializer] = {}
 
@@ -340,5 +409,6 @@ class ProtobufRecords:
                                                        schema_id.message_indexes or [0])
             message_class = message_factory.GetMessageClass(descriptor)
             deserializer = self._by_schema[key] = ProtobufDeserializer(message_class, self._conf, self._client)
+        self._held.bound(schemabounds.PROTOBUF_PER_BYTE)
         message = deserializer(value, context)
         return schemabounds.message_to_dict(message)

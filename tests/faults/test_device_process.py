@@ -49,12 +49,14 @@ def device_pids(client, start: int, count: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def supervised(settings, handler: str, *extra: str) -> Iterator[tuple[Member, int]]:
-    """``kinference serve --device-process on --workers 2`` serving ``handler``, ready (the device process and both
-    workers); its metrics port. Every process of it is killed at the end if a failed test left them running."""
+def supervised(settings, handler: str | None, *extra: str) -> Iterator[tuple[Member, int]]:
+    """``kinference serve --device-process on --workers 2`` serving ``handler`` (None: no ``--handler``, for
+    ``--models``), ready (the device process and both workers); its metrics port. Every process of it is killed at
+    the end if a failed test left them running."""
     port = free_port()
     args = [arg for arg in settings.args() if arg != "--no-metrics"]
-    args[args.index("--handler") + 1] = handler
+    at = args.index("--handler")
+    args[at:at + 2] = [] if handler is None else ["--handler", handler]
     supervisor = Member("supervisor", [*args, "--device-process", "on", "--workers", "2", "--metrics-host",
                                        "127.0.0.1", "--metrics-port", str(port), *extra])
     try:

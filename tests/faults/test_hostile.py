@@ -1,10 +1,14 @@
 """Misbehaving handlers through a real broker (issue 20): one model that hangs never holds up another model's
-requests, is answered with ``handler_timeout`` at the timeout, and turns ``/healthz`` 503 naming it."""
+requests, is answered with ``handler_timeout`` at the timeout, and turns ``/healthz`` 503 naming it. Wide values
+never stall the poll thread for the requests behind them, in one process and with ``--device-process on --workers
+2`` (issue 36, item 4: the neighbour's model then runs in the device process)."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Callable, Iterator
 
 import orjson
 import pytest
@@ -14,6 +18,8 @@ from kinference import Client, protocol
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.service import Service
 from tests.conftest import FETCH_PROPERTIES
+from tests.faults.test_device_process import supervised
+from tests.faults.test_workers import get as get_status
 from tests.integration.kafka_io import headers_of, produce, read, service_config
 from tests.integration.test_metrics import get
 
@@ -87,40 +93,60 @@ WIDE_VALUES = 3
 
 
 def neighbour_latencies(client: Client, count: int) -> list[float]:
-    """Seconds each of ``count`` small requests to model ``b``, sent one after the other, took to be answered."""
+    """Seconds each of ``count`` small requests to model ``b``, sent one after the other, took to be answered (its
+    echo, or ``DeviceEcho``'s ``{"value": <echo>, ...}``)."""
     latencies = []
     for i in range(count):
         started = time.monotonic()
-        assert client.request({"n": i}, headers=[(protocol.MODEL, b"b")]).result() == {"n": i}
+        result = client.request({"n": i}, headers=[(protocol.MODEL, b"b")]).result()
+        assert {"n": i} in (result, result.get("value")), result
         latencies.append(time.monotonic() - started)
     return latencies
 
 
+WIDE_MODELS = [{"name": "a", "handler": "tests.integration.slow_handler:SlowLength"}, {"name": "b", "handler": "echo"}]
+"""Model a answers with the length of each value: what its stage threads do with a wide value stays small, so what
+b's requests share with a's is the poll thread's work alone."""
+
+
+@contextlib.contextmanager
+def serving_wide(broker, fault_settings, path: str) -> Iterator[tuple[str, dict[str, str], Callable[[], bool]]]:
+    """The two models of ``WIDE_MODELS``, on one request partition: in this process (``Service``), or in
+    ``kinference serve --device-process on --workers 2`` with model b run by the device process (``DeviceEcho``).
+    Yields the bootstrap servers, the topics and whether the service is healthy."""
+    if path == "in-process":
+        topics = broker.topics(requests=1, replies=1, dead=1)
+        single = service_config(broker.bootstrap_servers, topics).model_dump(exclude_unset=True, exclude={"handler"})
+        with Service(ServiceConfig(**{**single, "models": WIDE_MODELS})) as service:
+            assert service.wait_ready(30)
+            yield broker.bootstrap_servers, topics, lambda: service.healthy
+        return
+    models = [WIDE_MODELS[0], {"name": "b", "handler": "tests.faults.handlers:DeviceEcho"}]
+    settings = fault_settings(partitions=1, extra=("--models", orjson.dumps(models).decode()))
+    with supervised(settings, None) as (_supervisor, port):
+        yield settings.bootstrap, settings.topics, lambda: get_status(port, "/healthz")[0] == 200
+
+
 @pytest.mark.timeout(180)
-def test_wide_values_do_not_stall_the_poll_thread_for_the_requests_behind_them(broker):
+@pytest.mark.parametrize("path", ["in-process", "device-process"])
+def test_wide_values_do_not_stall_the_poll_thread_for_the_requests_behind_them(broker, fault_settings, path):
     """Issue 29, item 4: a 960 KB ``[[],[],...]`` cost ~1.9 s of the poll thread (the parse with the garbage collector
     running over and over, then a Python walk of its 320,000 lists), and 20 of them took a neighbour's p50 from
     14 ms to 19.8 s. Here, the wide values go to model ``a`` and the neighbour's requests, right behind them in the
     same partition, to model ``b``: what they share is the poll thread, and they wait less than a second longer
     than without the wide values."""
-    topics = broker.topics(requests=1, replies=1, dead=1)
-    single = service_config(broker.bootstrap_servers, topics).model_dump(exclude_unset=True, exclude={"handler"})
-    # Model a answers with the length of each value: what its stage threads do with a wide value stays small, so what
-    # b's requests share with a's is the poll thread's work alone.
-    models = [{"name": "a", "handler": "tests.integration.slow_handler:SlowLength"}, {"name": "b", "handler": "echo"}]
-    config = ServiceConfig(**{**single, "models": models})
     wide = b"[" + b",".join([b"[]"] * (959_000 // 3)) + b"]"
     to_a = [(f"wide-{i}".encode(), wide, [(protocol.MODEL, b"a")]) for i in range(WIDE_VALUES)]
-    with Service(config) as service, Client(broker.bootstrap_servers, topics["requests"], topics["replies"],
-                                            timeout_s=60, reply_consumer=FETCH_PROPERTIES) as client:
-        assert service.wait_ready(30)
+    with (serving_wide(broker, fault_settings, path) as (bootstrap, topics, healthy),
+          Client(bootstrap, topics["requests"], topics["replies"], timeout_s=60,
+                 reply_consumer=FETCH_PROPERTIES) as client):
         neighbour_latencies(client, 3)  # warm: connections, the first batch
         before = statistics.median(neighbour_latencies(client, 10))
-        produce(broker.bootstrap_servers, topics["requests"], to_a)
+        produce(bootstrap, topics["requests"], to_a)
         behind = neighbour_latencies(client, 10)
-        replies = replies_to(broker.bootstrap_servers, topics["replies"], {key for key, _, _ in to_a}, timeout_s=60)
-        assert service.healthy
-    print(f"neighbour: p50 {before * 1000:.0f} ms alone, first {behind[0] * 1000:.0f} ms and p50 "
+        replies = replies_to(bootstrap, topics["replies"], {key for key, _, _ in to_a}, timeout_s=60)
+        assert healthy()
+    print(f"{path} neighbour: p50 {before * 1000:.0f} ms alone, first {behind[0] * 1000:.0f} ms and p50 "
           f"{statistics.median(behind) * 1000:.0f} ms behind {WIDE_VALUES} wide values")
     assert all(orjson.loads(replies[key].value()) == {"result": 959_000 // 3} for key, _, _ in to_a)
     assert max(behind) < before + 1.0, f"behind {WIDE_VALUES} wide values: {behind} (alone: p50 {before:.3f} s)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import uuid
 
 import numpy as np
@@ -30,8 +31,8 @@ from google.protobuf import (
 from google.protobuf.internal import type_checkers
 
 from kinference.consumer.path.request import RequestDecoder
-from kinference.consumer.wire.schemabounds import TOO_DEEP, is_repeated, message_to_dict
-from kinference.consumer.wire.serdes import SchemaRegistryFormat
+from kinference.consumer.wire.schemabounds import PROTOBUF_PER_BYTE, TOO_DEEP, is_repeated, message_to_dict
+from kinference.consumer.wire.serdes import SchemaLimits, SchemaRegistryFormat
 from kinference.errors import RequestError
 from kinference.protocol import MAX_JSON_DEPTH, ErrorCode
 from tests.fakes import FakeRecord
@@ -278,3 +279,113 @@ def test_a_json_schema_record_nested_deeper_than_the_limit_is_a_bad_request():
         if not ok:
             assert request.dead_letter and request.error.code is ErrorCode.BAD_REQUEST
             assert request.error.message == TOO_DEEP
+
+
+def _held_in_memory(decode) -> int:
+    """What ``decode()``'s result holds, measured with tracemalloc."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        result = decode()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert result is not None
+    return held
+
+
+@pytest.mark.parametrize(("items", "element"), [
+    ({"type": "record", "name": "Flag", "fields": [{"name": "b", "type": "boolean"}]}, {"b": True}),
+    ("int", -60),
+    ("string", "\u0100"),
+    (["null", {"type": "record", "name": "Empty", "fields": []}], {}),
+    ({"type": "map", "values": "null"}, {"k": None}),
+    ({"type": "array", "items": "boolean"}, [True]),
+], ids=["records", "ints", "strings", "union", "maps", "arrays"])
+def test_an_avro_record_is_charged_at_least_what_it_holds_decoded(items, element):
+    """Issue 36: one 900 KB ``array<record{boolean}>`` held 173 MB decoded (192x its bytes) and was charged 36 MB
+    (40x, every Avro value's charge): a service with a 256 MiB budget grew by 1,463 MB. Now each record is charged
+    its schema's bound (``AvroHeld``), which is never below what it holds, nor above three times it for these
+    shapes."""
+    import io
+
+    import fastavro
+
+    write, decoder = _avro({"type": "record", "name": "Wide", "fields": [
+        {"name": "a", "type": {"type": "array", "items": items}}]})
+    value = write({"a": [element] * 1000}, CONTEXT)
+    count = 900_000 * 1000 // len(value)
+    value = write({"a": [element] * count}, CONTEXT)
+    request = decoder.decode(FakeRecord(value))
+    assert request.ok
+    parsed = fastavro.parse_schema(orjson.loads(decoder.schemas.client.get_schema(1).schema_str))
+    held = _held_in_memory(lambda: fastavro.schemaless_reader(io.BytesIO(value[5:]), parsed))
+    assert held + len(value) <= request.held_bytes < 3 * held + 4 * len(value), (held, request.held_bytes)
+
+
+def test_an_avro_record_that_could_hold_more_than_the_byte_budget_is_refused_before_it_is_decoded():
+    client = registry()
+    schema = {"type": "record", "name": "Flags", "fields": [{"name": "a", "type": {"type": "array", "items": {
+        "type": "record", "name": "Flag", "fields": [{"name": "b", "type": "boolean"}]}}}]}
+    write = AvroSerializer(client, orjson.dumps(schema).decode())
+    value = write({"a": [{"b": True}] * 900_000}, CONTEXT)
+    limits = SchemaLimits(max_held_bytes=64 * 2**20)
+    decoder = RequestDecoder("replies", 960_000, schemas=SchemaRegistryFormat("avro", client, limits=limits))
+    started = time.perf_counter()
+    request = decoder.decode(FakeRecord(value))
+    took = time.perf_counter() - started
+    assert request.dead_letter and request.error.code is ErrorCode.PAYLOAD_TOO_LARGE
+    assert "more than the whole byte budget" in request.error.message
+    assert took < 0.05, f"refused after {took:.3f} s: decoded first"  # decoding it takes ~0.2 s
+    small = decoder.decode(FakeRecord(write({"a": [{"b": True}] * 1000}, CONTEXT)))
+    assert small.ok and small.payload == {"a": [{"b": True}] * 1000}
+
+
+def test_a_protobuf_record_is_charged_its_bound_per_byte():
+    client = registry()
+    write = ProtobufSerializer(MESSAGES["Node"], client, conf={"use.deprecated.format": False})
+    value = write(MESSAGES["Node"](v=1), CONTEXT)
+    request = RequestDecoder("replies", 960_000, schemas=SchemaRegistryFormat("protobuf", client)).decode(
+        FakeRecord(value))
+    assert request.ok and request.held_bytes == len(value) * (1 + PROTOBUF_PER_BYTE)
+
+
+def _protobuf_prefix(client) -> bytes:
+    """The magic byte and schema id of a registered ``shop.Node``."""
+    write = ProtobufSerializer(MESSAGES["Node"], client, conf={"use.deprecated.format": False})
+    return write(MESSAGES["Node"](v=1), CONTEXT)[:5]
+
+
+@pytest.mark.parametrize(("indexes", "why"), [
+    (b"\xc0\x9a\x0c" + b"\x00" * 100_000, "lists 100000 message indexes"),  # zigzag 100,000, then 100,000 zeros
+    (b"\x02" + b"\xff" * 100_000 + b"\x00", "longer than a varint's ten bytes"),  # one index, 100,000 bytes long
+])
+def test_a_protobuf_prefix_of_many_message_indexes_is_refused_in_time_small_in_the_prefix(indexes, why):
+    """Issue 36: 60 values whose prefix listed 100,000 message indexes were each refused after ~50 ms of the poll
+    thread (confluent-kafka reads them all, a Python step each, before it looks at the schema); a neighbour waited
+    up to 3 s. Now the count is bounded (a schema nests its messages at most ``MAX_JSON_DEPTH`` deep) and each
+    index is a varint of at most ten bytes, checked before the deserializer reads any."""
+    client = registry()
+    decoder = RequestDecoder("replies", 960_000, schemas=SchemaRegistryFormat("protobuf", client))
+    value = _protobuf_prefix(client) + indexes + b"\x10\x01"
+    started = time.perf_counter()
+    for _ in range(10):
+        request = decoder.decode(FakeRecord(value))
+    each = (time.perf_counter() - started) / 10
+    assert request.dead_letter and request.error.code is ErrorCode.BAD_REQUEST
+    assert why in request.error.message
+    assert each < 0.005, f"{each * 1000:.1f} ms per value"
+    header = [("__value_schema_id", b"\x01" + uuid.uuid4().bytes + indexes[:3000])]
+    request = decoder.decode(FakeRecord(b"\x10\x01", header))  # the same prefix in the header
+    assert request.dead_letter and why.split()[0] in request.error.message
+
+
+def test_a_protobuf_prefix_within_the_bound_still_names_its_message():
+    client = registry()
+    prefix = _protobuf_prefix(client)
+    decoder = RequestDecoder("replies", 960_000, schemas=SchemaRegistryFormat("protobuf", client))
+    assert decoder.decode(FakeRecord(prefix + b"\x00\x10\x01")).payload == {"v": 1}  # no indexes: the first message
+    assert decoder.decode(FakeRecord(prefix + b"\x02\x00\x10\x01")).payload == {"v": 1}  # one: [0]
