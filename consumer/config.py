@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
 import yaml
@@ -26,6 +26,9 @@ from pydantic.fields import FieldInfo
 
 from kinference.errors import ConfigError, HandlerLoadError
 from kinference.protocol import _NEXT_PAIR
+
+if TYPE_CHECKING:
+    from kinference.handlers.base import Handler
 
 ENV_PREFIX = "KINFERENCE_"
 
@@ -452,6 +455,11 @@ class ServiceConfig(BaseModel):
     device_wait_s: float = Field(
         120.0, gt=0, le=86_400, description="How long a worker waits for its device process to answer (it is "
         "restarted if it died, and the call is sent again) before that micro-batch fails with handler_error.",
+    )
+    device_hang_s: Annotated[float, Field(gt=0, le=86_400)] | Literal["auto"] = Field(
+        "auto", description="A device batch running longer than this has hung: its requests fail with device_hung, "
+        "/healthz turns red and the device process is replaced. auto: 10 times the slowest batch of the start-up "
+        "calibration, at least 30 s.",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_format: Literal["text", "json"] = Field(
@@ -940,3 +948,8 @@ def describe_errors(exc: ValidationError) -> str:
         where = f"{field} (--{str(loc[0]).replace('_', '-')}, {ENV_PREFIX}{str(loc[0]).upper()})" if loc else field
         lines.append(f"  {where}: {error['msg']}")
     return "\n".join(lines)
+
+
+def served_name(settings: ServiceConfig, handler: Handler) -> str:
+    """A model's name (set up): in its metrics, its errors, OIP and the device process's calls."""
+    return settings.model_name or handler.describe().get("model") or settings.handler

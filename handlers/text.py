@@ -336,6 +336,9 @@ class TextHandler(Handler):
         tensors = {name: self.accelerator.host(tensor) for name, tensor in merged.items()}
         return TextBatch(tensors, real_rows=rows, real_tokens=sum(batch.real_tokens for batch in inputs))
 
+    def rows(self, inputs: TextBatch) -> int:
+        return inputs.real_rows
+
     def calibration_payloads(self, count: int) -> list[dict[str, str]]:
         from kinference.loadgen.corpus import builtin_corpus
 

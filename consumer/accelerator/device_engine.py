@@ -1,9 +1,9 @@
 """A generative model's engine in the device process: one engine for every worker (issue 28 on issue 27's design).
 
-Each worker connects once per generative model (``engine_link``) and submits and cancels its requests; the engine
-(the model's ``GenerativeHandler``, set up with role ``device``) decodes every worker's sequences together, one
-step at a time. One pump thread takes the engine's events and sends each worker the events of its own requests, a
-step's worth in one message.
+Each worker connects once per generative model (``worker_engine_link``; the messages: ``wire``) and submits and
+cancels its requests; the engine (the model's ``GenerativeHandler``, set up with role ``device``) decodes every
+worker's sequences together, one step at a time. One pump thread takes the engine's events and sends each worker
+the events of its own requests, a step's worth in one message.
 
 - Request ids are made unique across workers here: the engine knows ``<connection>/<the worker's id>``, and each
   event goes back to its connection under the worker's own id.
@@ -24,8 +24,8 @@ import struct
 import threading
 from dataclasses import dataclass, field, replace
 
-from kinference.consumer.accelerator.engine_link import recv_message, send_message
-from kinference.handlers.generative import TERMINAL, Event, GenerativeHandler
+from kinference.consumer.accelerator import wire
+from kinference.handlers.generative import TERMINAL, Event, GenerativeHandler, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class _Worker:
         """False when the worker is gone (or stuck past ``SEND_TIMEOUT_S``)."""
         try:
             with self.lock:
-                send_message(self.sock, (events, kv_cache_use))
+                wire.send(self.sock, wire.Events(events, kv_cache_use))
         except OSError as exc:
             log.info("a worker's connection is gone (%s): its generations are cancelled", exc)
             self.hang_up()
@@ -87,25 +87,30 @@ class DeviceEngine:
             self._workers.add(worker)
         try:
             with worker.lock:
-                send_message(sock, "ok")
-            while (message := recv_message(sock)) is not None:
-                if message[0] == "submit":
-                    self._submit(worker, message[1], message[2])
-                else:
-                    self._cancel(worker, message[1])
-        except OSError:
-            pass  # a worker gone: the same as a closed connection
+                wire.send(sock, wire.Ready())
+            while (received := wire.receive_to_device(sock)) is not None:
+                match received[0]:
+                    case wire.Submit(request_id, prompt):
+                        self._submit(worker, request_id, prompt)
+                    case wire.Cancel(request_id):
+                        self._cancel(worker, request_id)
+                    case other:
+                        log.warning("model %s: a worker sent %s on its engine link; closed", self.name,
+                                    type(other).__name__)
+                        return
+        except (OSError, wire.WireError) as exc:  # a worker gone: the same as a closed connection
+            log.debug("model %s: a worker's engine link ended: %s", self.name, exc)
         finally:
             self._forget(worker)
             sock.close()
 
-    def _submit(self, worker: _Worker, request_id: str, prompt: object) -> None:
+    def _submit(self, worker: _Worker, request_id: str, prompt: Prompt) -> None:
         engine_id = worker.engine_id(request_id)
         with self._lock:
             self._routes[engine_id] = (worker, request_id)
             worker.requests.add(engine_id)
         try:
-            self.handler.submit(engine_id, prompt)  # type: ignore[arg-type]  # a Prompt, from the worker's link
+            self.handler.submit(engine_id, prompt)
         except Exception as exc:  # the engine refuses this request alone
             with self._lock:
                 self._routes.pop(engine_id, None)
@@ -128,6 +133,11 @@ class DeviceEngine:
             self.handler.cancel(engine_id)
         if ids:
             log.info("model %s: a worker left; %d of its generations cancelled", self.name, len(ids))
+
+    @property
+    def connected(self) -> int:
+        """Workers' connections open now."""
+        return len(self._workers)
 
     def pump(self) -> None:
         """Take the engine's events and send each worker its own, until ``stop()``."""

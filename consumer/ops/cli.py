@@ -231,7 +231,7 @@ def _run_device(args: argparse.Namespace, config: ServiceConfig) -> int:
 
     stop = _stop_on_signals()
     device = DeviceProcess(config, args.device_index, args.worker_report.parent, resolve_device(config.device))
-    with WorkerReport(args.worker_report, device):
+    with WorkerReport(args.worker_report, device, progress=device.progress):
         device.start()
         settle_heap()
         try:

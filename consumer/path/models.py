@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kinference.consumer.accelerator.engine_link import EngineLink
-from kinference.consumer.config import Batching, ServiceConfig
+from kinference.consumer.accelerator.worker_engine_link import EngineLink
+from kinference.consumer.accelerator.worker_link import DeviceInference
+from kinference.consumer.config import Batching, ServiceConfig, served_name
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.admission import admit
 from kinference.consumer.path.batcher import Batcher
@@ -36,7 +37,7 @@ from kinference.handlers.generative import GenerativeHandler, GenerativePort
 from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
-    from kinference.consumer.accelerator.device_link import DeviceLink
+    from kinference.consumer.accelerator.worker_link import DeviceLink
     from kinference.consumer.delivery.publisher import Publisher
     from kinference.consumer.ops.tracing import Tracing
 
@@ -144,19 +145,20 @@ class Models:
         cost = batcher.cost
         metrics.batch_cost_fixed.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
         metrics.batch_cost_per_unit.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
-        device = self._link if handler.device_process else None
-        batching = settings.batching
-        if device is not None:  # the inference threads only wait for the device process: one per micro-batch there
+        batching, inference = settings.batching, None
+        if self._link is not None and handler.device_process:
+            # The inference threads only wait for the device process: one per micro-batch there.
             threads = batching.parallelism.model_copy(update={"inference": settings.device_in_flight})
             batching = batching.model_copy(update={"parallelism": threads})
-        pipeline = Pipeline(ModelRun(name, handler, batching, device), batcher, answer, metrics, tracing)
+            inference = DeviceInference(self._link, name)
+        pipeline = Pipeline(ModelRun(name, handler, batching, inference), batcher, answer, metrics, tracing)
         route = ModelRoute(name, settings.model_version, handler.payload_format, served)
         return LoadedModel(settings, batching, handler, route, batcher, pipeline, max_in_flight=None)
 
     def _build_generative(self, settings: ServiceConfig, handler: GenerativeHandler, answer: Answer,
                           stream: Stream, metrics: Metrics) -> LoadedModel:
         """A generative model skips the batcher and the stages: its engine batches per decoding step, in this
-        process or, with a device process, there (``engine_link``): once for every worker."""
+        process or, with a device process, there (``worker_engine_link``): once for every worker."""
         name = served_name(settings, handler)
         port: GenerativePort = handler
         if self._link is not None and handler.device_process:
@@ -262,11 +264,6 @@ def _routed(request: Request) -> ModelRoute:
     if route is None:
         raise RuntimeError(f"request {request.correlation_id} is ok but no model was picked for it")
     return route
-
-
-def served_name(settings: ServiceConfig, handler: Handler) -> str:
-    """A model's name (set up): in its metrics, its errors, OIP and the device process's calls."""
-    return settings.model_name or handler.describe().get("model") or settings.handler
 
 
 def _info_labels(described: dict[str, str]) -> dict[str, str]:

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from kinference.consumer.accelerator.arena import Arena, ArenaFull
 from kinference.consumer.accelerator.calibration import Calibration, calibrate, worker_cap
-from kinference.consumer.accelerator.device import DeviceBatching, DeviceMetrics, DeviceServer
-from kinference.consumer.accelerator.device_link import DeviceError, DeviceLink, DeviceUnavailable
+from kinference.consumer.accelerator.device_server import DeviceBatching, DeviceMetrics, DeviceServer
+from kinference.consumer.accelerator.worker_link import DeviceError, DeviceLink, DeviceUnavailable
 from kinference.handlers import Handler, HandlerContext
 from kinference.handlers.classification import TextClassificationHandler
 from kinference.handlers.text import TextBatch
@@ -135,7 +135,7 @@ def test_micro_batches_of_several_threads_run_as_one_device_batch_and_come_back_
     results: dict[int, torch.Tensor] = {}
 
     def call(index: int) -> None:
-        results[index] = link.infer("m", 4, torch.full((4, 3), float(index)))
+        results[index] = link.infer("m", torch.full((4, 3), float(index)))
 
     try:
         link.wait_ready()
@@ -158,7 +158,7 @@ def test_a_failing_micro_batch_fails_alone_in_a_merged_batch(tmp_path: Path) -> 
 
     def call(index: int) -> None:
         try:
-            outcomes[index] = link.infer("m", 2, torch.full((2, 1), -1.0 if index == 2 else float(index)))
+            outcomes[index] = link.infer("m", torch.full((2, 1), -1.0 if index == 2 else float(index)))
         except DeviceError as exc:
             outcomes[index] = exc
 
@@ -177,10 +177,10 @@ def test_a_call_is_sent_again_to_a_restarted_device_process_and_fails_only_after
     server = _server(tmp_path, handler)
     link = DeviceLink(server.path, 1 << 20, wait_s=10)
     try:
-        assert link.infer("m", 1, torch.ones(1, 1)).item() == 2
+        assert link.infer("m", torch.ones(1, 1)).item() == 2
         server.stop(5)  # the device process dies: the call below waits for the next one
         answer: list[Any] = []
-        caller = threading.Thread(target=lambda: answer.append(link.infer("m", 1, torch.full((1, 1), 5.0))))
+        caller = threading.Thread(target=lambda: answer.append(link.infer("m", torch.full((1, 1), 5.0))))
         caller.start()
         time.sleep(0.5)
         assert not answer
@@ -192,7 +192,7 @@ def test_a_call_is_sent_again_to_a_restarted_device_process_and_fails_only_after
         server.stop(5)
     impatient = DeviceLink(tmp_path / "nobody.sock", 1 << 20, wait_s=0.3)
     with pytest.raises(DeviceUnavailable, match=r"did not answer for 0\.3 s"):
-        impatient.infer("m", 1, torch.ones(1, 1))
+        impatient.infer("m", torch.ones(1, 1))
     impatient.close()
 
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kinference.consumer.accelerator.device import DeviceBatching, DeviceMetrics, DeviceServer
+from kinference.consumer.accelerator.device_server import DeviceBatching, DeviceMetrics, DeviceServer
 from kinference.consumer.accelerator.device_engine import DeviceEngine
-from kinference.consumer.accelerator.device_link import DeviceUnavailable
-from kinference.consumer.accelerator.engine_link import FRAGMENT_BYTES, EngineLink
+from kinference.consumer.accelerator.worker_link import DeviceUnavailable
+from kinference.consumer.accelerator.wire import FRAGMENT_BYTES
+from kinference.consumer.accelerator.worker_engine_link import EngineLink
 from kinference.handlers.generative import Event, Prompt, Sampling
 from tests.fakes import wait_for
 from tests.unit.test_generations import ScriptedEngine
@@ -58,7 +59,7 @@ def test_each_workers_events_come_back_to_it_under_its_own_ids(tmp_path: Path) -
         # Both workers use the same id: the engine sees two requests, one per connection.
         first.submit("r", PROMPT)
         second.submit("r", PROMPT)
-        long = Prompt(tuple(range(3 * FRAGMENT_BYTES // 4)), Sampling(8))  # a pickle of several packets
+        long = Prompt(tuple(range(3 * FRAGMENT_BYTES // 4)), Sampling(8))  # a message of several packets
         second.submit("long", long)
         assert wait_for(lambda: len(engine.submitted) == 3)
         # Each connection's ids under its own prefix (the first connected is 0: it had its "ok" before the second).
