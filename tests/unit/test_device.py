@@ -244,3 +244,136 @@ def test_the_plan_puts_a_device_process_where_asked_and_sizes_workers_only_with_
     assert plan_processes(ServiceConfig(handler="echo")) == Plan(devices=0, workers=1)
     with pytest.raises(KinferenceError, match="no model's handler can run in a device process"):
         plan_processes(ServiceConfig(handler="echo", device_process="on"))
+
+
+class _Texts(Handler):
+    """An item is a list of texts, each a row (as an embeddings request with an ``input`` list); a row's output is its
+    text and the device batch's size."""
+
+    device_process = True
+
+    def preprocess(self, items: list[Any]) -> list[str]:
+        return [text for item in items for text in item]
+
+    def merge(self, inputs: list[list[str]]) -> list[str]:
+        return [text for batch in inputs for text in batch]
+
+    def inference(self, inputs: list[str]) -> list[tuple[str, int]]:
+        time.sleep(0.2)  # long enough for the other calls to queue behind the first
+        return [(text, len(inputs)) for text in inputs]
+
+
+def test_rows_are_counted_as_the_handler_makes_them_and_a_merged_batch_splits_by_them(tmp_path: Path) -> None:
+    handler = _Texts()
+    server = _server(tmp_path, handler)
+    link = DeviceLink(server.path, 1 << 20, wait_s=10)
+    items = {index: [[f"{index}.{item}.{text}" for text in range(index + 1)] for item in range(2)]
+             for index in range(4)}
+    results: dict[int, Any] = {}
+
+    def call(index: int) -> None:
+        results[index] = link.infer("m", handler.preprocess(items[index]))
+
+    try:
+        threads = [threading.Thread(target=call, args=(index,)) for index in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert {index: [text for text, _ in rows] for index, rows in results.items()} == {
+            index: handler.preprocess(items[index]) for index in range(4)}
+        assert max(size for rows in results.values() for _, size in rows) > 8  # some were merged
+    finally:
+        link.close()
+        server.stop(5)
+
+
+class _Bulky(Handler):
+    """Each row's output is a string of ``size`` characters: plain data, in the message, not the arena's tensors."""
+
+    device_process = True
+
+    def merge(self, inputs: list[list[int]]) -> list[int]:
+        return [size for batch in inputs for size in batch]
+
+    def inference(self, inputs: list[int]) -> list[str]:
+        return ["x" * size for size in inputs]
+
+
+def test_a_call_and_a_reply_of_megabytes_cross_as_small_ones_do(tmp_path: Path) -> None:
+    server = _server(tmp_path, _Bulky())
+    link = DeviceLink(server.path, 1 << 20, wait_s=10)
+    try:
+        assert link.infer("m", [4 << 20]) == ["x" * (4 << 20)]  # a 4 MiB reply
+        assert link.infer("m", [1] * 300_000) == ["x"] * 300_000  # a call of over a megabyte
+    finally:
+        link.close()
+        server.stop(5)
+
+
+def test_a_hung_device_batch_is_answered_device_hung_and_reported_while_other_batches_run(tmp_path: Path) -> None:
+    from kinference.consumer.accelerator.worker_link import DeviceHung
+    from kinference.protocol import ErrorCode
+
+    gate = threading.Event()
+    handler = _Recorder(gate)
+    server = DeviceServer({"m": handler}, tmp_path / "device.sock", DeviceBatching(64, threads=2, hang_s=0.5),
+                          DeviceMetrics(0, CollectorRegistry())).start()
+    link = DeviceLink(server.path, 1 << 20, wait_s=10)
+    try:
+        started = time.monotonic()
+        with pytest.raises(DeviceHung, match=r"past --device-hang-s \(0\.5 s\)") as hung:
+            link.infer("m", torch.ones(2, 1))
+        assert hung.value.code == ErrorCode.DEVICE_HUNG and 0.5 <= time.monotonic() - started < 3
+        assert server.hung is not None and server.stalled_s() >= 0.5
+        handler.gate = None  # the other slot still serves
+        assert link.infer("m", torch.ones(1, 1)).item() == 2
+    finally:
+        gate.set()
+        link.close()
+        server.stop(5)
+
+
+def test_a_stopping_device_process_serves_on_until_its_workers_have_gone(tmp_path: Path) -> None:
+    server = _server(tmp_path, _Recorder())
+    link = DeviceLink(server.path, 1 << 20, wait_s=10)
+    try:
+        link.wait_ready()
+        assert not server.drain(0.3)
+        assert link.infer("m", torch.ones(1, 1)).item() == 2  # still served meanwhile
+        threading.Timer(0.3, link.close).start()
+        assert server.drain(10)
+    finally:
+        server.stop(5)
+
+
+def test_a_message_of_the_wrong_shape_is_refused_by_name(tmp_path: Path) -> None:
+    import socket
+
+    from kinference.consumer.accelerator import wire
+
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        wire.send(left, wire.Infer("m", b"x" * (3 * wire.FRAGMENT_BYTES)))  # several packets
+        received = wire.receive_to_device(right)
+        assert received == (wire.Infer("m", b"x" * (3 * wire.FRAGMENT_BYTES)), [])
+        wire.send(left, wire.Ready())  # a worker's message, sent to a worker's side
+        with pytest.raises(wire.WireError, match="wrong shape"):
+            wire.receive_to_device(right)
+    finally:
+        left.close()
+        right.close()
+
+
+def test_the_device_side_imports_neither_the_worker_side_nor_the_path() -> None:
+    import ast
+
+    import kinference.consumer.accelerator as accelerator
+
+    folder = Path(accelerator.__file__).parent
+    for module in ("device_server", "device_engine", "device_process", "wire", "arena", "calibration"):
+        tree = ast.parse((folder / f"{module}.py").read_text())
+        imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert not {name for name in imported if ".worker_" in name or name.startswith("kinference.consumer.path")}, (
+            module, imported)
