@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kinference.consumer.accelerator.device_server import DeviceBatching, DeviceMetrics, DeviceServer
 from kinference.consumer.accelerator.device_engine import DeviceEngine
-from kinference.consumer.accelerator.worker_link import DeviceUnavailable
+from kinference.consumer.accelerator.device_server import DeviceBatching, DeviceMetrics, DeviceServer
 from kinference.consumer.accelerator.wire import FRAGMENT_BYTES
 from kinference.consumer.accelerator.worker_engine_link import EngineLink
+from kinference.consumer.accelerator.worker_link import DeviceUnavailable
 from kinference.handlers.generative import Event, Prompt, Sampling
 from tests.fakes import wait_for
 from tests.unit.test_generations import ScriptedEngine
