@@ -12,6 +12,9 @@ the events of its own requests, a step's worth in one message.
 - A worker that takes no events for ``SEND_TIMEOUT_S`` (its drain thread is stuck) is dropped the same way, rather
   than stall every other worker's events behind it.
 - The engine's refusal of a request (``submit`` raised) is that request's ``error`` event.
+- An engine that stops stepping while it holds requests (its ``events`` call does not return: a wedged model call)
+  has stalled (``stalled_s``); past ``--device-hang-s`` the device server ends its requests with an ``error`` event
+  (``fail_all``) and reports the process hung, to be replaced.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field, replace
 
 from kinference.consumer.accelerator import wire
@@ -78,6 +82,8 @@ class DeviceEngine:
         self._workers: set[_Worker] = set()
         self._tags = itertools.count()
         self._stopping = threading.Event()
+        self._beat = time.monotonic()
+        """When the pump last came back from the engine (``stalled_s``)."""
 
     def serve(self, sock: socket.socket) -> None:
         """One worker's submits and cancels, until its connection closes; then its sequences are cancelled."""
@@ -142,9 +148,28 @@ class DeviceEngine:
     def pump(self) -> None:
         """Take the engine's events and send each worker its own, until ``stop()``."""
         while not self._stopping.is_set():
+            self._beat = time.monotonic()
             events = self.handler.events(_POLL_S)
             if events:
                 self._route(events)
+
+    def stalled_s(self) -> float:
+        """How long the engine has not come back while it holds requests; 0 when it steps, or holds none."""
+        with self._lock:
+            holding = bool(self._routes)
+        return time.monotonic() - self._beat if holding else 0.0
+
+    def fail_all(self, why: str) -> None:
+        """Every request the engine holds ends with an ``error`` event saying ``why`` (the engine hung)."""
+        with self._lock:
+            routes, self._routes = self._routes, {}
+            for worker in self._workers:
+                worker.requests.clear()
+        by_worker: dict[_Worker, list[Event]] = {}
+        for worker, request_id in routes.values():
+            by_worker.setdefault(worker, []).append(Event(request_id, "error", why))
+        for worker, failed in by_worker.items():
+            worker.send(failed, None)
 
     def _route(self, events: list[Event]) -> None:
         by_worker: dict[_Worker, list[Event]] = {}

@@ -177,10 +177,12 @@ class DeviceServer:
         return len(self._connections) + sum(engine.connected for engine in self._engines.values())
 
     def stalled_s(self) -> float:
-        """How long the oldest device batch running now has run; 0 when none runs."""
+        """How long the oldest device batch running now has run, or an engine holding requests has not stepped; 0
+        when none runs."""
         with self._running_lock:
             oldest = min((running.started for running in self._running), default=None)
-        return 0.0 if oldest is None else time.monotonic() - oldest
+        batches = 0.0 if oldest is None else time.monotonic() - oldest
+        return max([batches, *(engine.stalled_s() for engine in self._engines.values())])
 
     def drain(self, timeout_s: float) -> bool:
         """Serve on until every worker has closed its connections (they drain on the same signal: a SIGTERM to the
@@ -239,10 +241,19 @@ class DeviceServer:
                        f"--device-hang-s ({limit:g} s)")
                 for job in running.jobs:
                     job.fail(wire.Failure.HUNG, why)
-                if self.hung is None:  # only once its calls are answered: the supervisor kills it on seeing this
-                    log.error("%s: its %d calls failed with device_hung; this device process is to be replaced", why,
-                              len(running.jobs))
-                    self.hung = why
+                self._report_hung(why)
+            for name, engine in self._engines.items():
+                if (stalled := engine.stalled_s()) > limit:
+                    why = (f"the engine of model {name!r} has not stepped for {stalled:.1f} s, past "
+                           f"--device-hang-s ({limit:g} s)")
+                    engine.fail_all(f"device_hung: {why}")
+                    self._report_hung(why)
+
+    def _report_hung(self, why: str) -> None:
+        """Only once what it held is answered: the supervisor kills this process on seeing it."""
+        if self.hung is None:
+            log.error("%s: what it held failed; this device process is to be replaced", why)
+            self.hung = why
 
     # --- connections
 

@@ -4,6 +4,7 @@ restarts (or stays away) ends the link's requests as ``lost`` (or ``error``)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -143,4 +144,38 @@ def test_a_link_to_a_model_the_device_process_does_not_generate_waits_then_says_
         with pytest.raises(DeviceUnavailable, match="model other"):
             EngineLink(server.path, "other", wait_s=0.3).connect()
     finally:
+        server.stop(5)
+
+
+class WedgingEngine(ScriptedEngine):
+    """Its ``events`` call never comes back once ``wedge`` is set (a wedged model call), until ``release``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wedge = threading.Event()
+        self.release = threading.Event()
+
+    def events(self, timeout_s: float) -> list[Event]:
+        if self.wedge.is_set():
+            self.release.wait(30)
+        return super().events(timeout_s)
+
+
+def test_an_engine_that_stops_stepping_ends_what_it_holds_and_reports_the_process_hung(tmp_path: Path) -> None:
+    engine = WedgingEngine()
+    server = DeviceServer({}, tmp_path / "d.sock", DeviceBatching(8, hang_s=0.5), DeviceMetrics(0, CollectorRegistry()),
+                          {"lm": DeviceEngine("lm", engine)}).start()
+    link = _link(server.path)
+    try:
+        link.submit("r", PROMPT)
+        assert wait_for(lambda: engine.submitted == ["0/r"])
+        time.sleep(1)  # idle with a request: the pump still comes back every poll
+        assert server.hung is None
+        engine.wedge.set()
+        (failed,) = _collect(link, 1)
+        assert failed.request_id == "r" and failed.kind == "error" and "device_hung" in failed.text
+        assert server.hung is not None and "has not stepped" in server.hung
+    finally:
+        engine.release.set()
+        link.close()
         server.stop(5)
