@@ -27,7 +27,7 @@ from kinference.consumer.path.batcher import Batcher
 from kinference.consumer.path.generations import Generations, GenerationSettings, StreamChunk
 from kinference.consumer.path.request import Request
 from kinference.consumer.path.router import ModelRoute, Router
-from kinference.consumer.path.stages import ModelRun, Pipeline
+from kinference.consumer.path.stages import Inference, InProcessInference, ModelRun, Pipeline
 from kinference.consumer.types import PartitionKey
 from kinference.consumer.wire.oip import ServedModel as OipModel
 from kinference.errors import ConfigError, RequestError
@@ -145,7 +145,8 @@ class Models:
         cost = batcher.cost
         metrics.batch_cost_fixed.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
         metrics.batch_cost_per_unit.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
-        batching, inference = settings.batching, None
+        batching: Batching = settings.batching
+        inference: Inference = InProcessInference(handler)
         if self._link is not None and handler.device_process:
             # The inference threads only wait for the device process: one per micro-batch there.
             threads = batching.parallelism.model_copy(update={"inference": settings.device_in_flight})

@@ -318,12 +318,12 @@ class InProcessInference:
 class ModelRun:
     """What a pipeline runs: a served model's name (its metrics' label, and its errors'), its handler, how its
     batches run (``Batching``: micro-batch size, threads per stage, handler timeout), and where its inference runs
-    (``inference``; default: in this process)."""
+    (``inference``: ``InProcessInference(handler)``, or the device process's)."""
 
     name: str
     handler: Handler
     batching: Batching
-    inference: Inference | None = None
+    inference: Inference
 
 
 class Pipeline:
@@ -341,7 +341,7 @@ class Pipeline:
         ``run.batching.handler_timeout_s`` at most (``_watch``)."""
         batching, model = run.batching, run.name
         self._handler = run.handler
-        self._inference_port = run.inference or InProcessInference(run.handler)
+        self._inference_port = run.inference
         self._model = model
         self._handler_timeout_s = batching.handler_timeout_s
         threads = batching.parallelism
