@@ -174,7 +174,7 @@ def test_an_engine_that_stops_stepping_ends_what_it_holds_and_reports_the_proces
         engine.wedge.set()
         (failed,) = _collect(link, 1)
         assert failed.request_id == "r" and failed.kind == "error" and "device_hung" in failed.text
-        assert server.hung is not None and "has not stepped" in server.hung
+        assert wait_for(lambda: server.hung is not None) and "has not stepped" in str(server.hung)
     finally:
         engine.release.set()
         link.close()
