@@ -1,4 +1,5 @@
-"""The device process: one per GPU, the only copy of the model and of the CUDA context, fed by the workers.
+"""The device process's server: one device process per GPU, the only copy of the model and of the CUDA context, fed by
+the workers.
 
 ``kinference serve`` with a device process (``--device-process``, on by default with CUDA) runs a supervisor, one
 device process per GPU and ``--workers`` worker processes. A worker does all the per-message work (Kafka,
@@ -16,7 +17,7 @@ micro-batch to its device process (``worker_link``; the messages: ``wire``). Her
    rows go back to its worker through its arena. A batch that fails is run again one job at a time, so that one
    worker's bad micro-batch fails alone.
 4. a watchdog answers the calls of a device batch that runs past ``hang_s`` (``--device-hang-s``) with
-   ``Failure.HUNG`` (``device_hung``) and reports the process hung (``progress``): the supervisor replaces it, and
+   ``Failure.HUNG`` (``device_hung``) and reports the process hung (``hung``): the supervisor replaces it, and
    the calls still waiting here are sent again by their workers to the new one.
 
 A generative model's continuous-batching engine (issue 28) is served beside them (``device_engine``): a worker's
