@@ -182,6 +182,7 @@ def test_one_engine_generates_for_both_workers_and_a_killed_device_process_ends_
     assert sorted(finals.values()) == [1] * count and {r.stream.correlation_id.encode() for r in readers} == set(finals)
 
 
+@pytest.mark.model
 @pytest.mark.timeout(240)
 def test_openai_embeddings_input_lists_and_their_neighbours_are_answered_as_in_process(fault_settings):
     """Three ``{"input": [...]}`` bodies among 30 single texts, sent together so that they share micro-batches and
@@ -241,6 +242,7 @@ def _healthz(port: int) -> tuple[int, dict]:
     return status, orjson.loads(body) if body else {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_hung_device_batch_is_answered_device_hung_and_its_process_replaced_while_the_rest_flow(fault_settings):
     """A request whose device batch never returns (a wedged model call), among a steady load: within
@@ -256,15 +258,16 @@ def test_a_hung_device_batch_is_answered_device_hung_and_its_process_replaced_wh
             wedged = client.send({"wedge": True}, key="wedge")
             health: list[tuple[float, int, dict]] = []
             sent = time.monotonic()
-            while time.monotonic() - sent < 14:
+            while time.monotonic() - sent < 30:  # until it was red and is green again
                 status, body = _healthz(port)
                 health.append((time.monotonic() - sent, status, body))
+                if status == 200 and any(seen != 200 for _, seen, _ in health):
+                    break
                 time.sleep(0.25)
             reply = wedged.result(30)
-            load.stop()
+            wait_until(lambda: len(load.futures) == 400, 30, "the whole load sent (10 s)", supervisor)
             replies = [future.result(60) for future in load.futures]
             assert pids(supervisor)["device 0"] != first
-            wait_until(lambda: _healthz(port)[0] == 200, 30, "/healthz green again", supervisor)
             stop_cleanly(supervisor)
     finally:
         client.close()
@@ -272,7 +275,7 @@ def test_a_hung_device_batch_is_answered_device_hung_and_its_process_replaced_wh
     codes = Counter(r.error_code for r in replies if not r.ok)
     # Only requests that shared the wedged device batch fail, and with device_hung; nothing is lost.
     assert set(codes) <= {"device_hung"} and sum(codes.values()) < 10, codes
-    assert len(replies) >= 300
+    assert len(replies) == 400 and health[-1][1] == 200
     red = [(at, body) for at, status, body in health if status != 200]
     assert red, "no red /healthz while the device process was hung"
     assert red[0][0] < 3 + 3, red[0]  # from the hang's detection on
