@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,8 @@ class DeviceProcess:
         self._server: DeviceServer | None = None
         self._ready = threading.Event()
 
-    def start(self) -> DeviceProcess:
+    def start(self, on_hung: Callable[[], None] | None = None) -> DeviceProcess:
+        """``on_hung``: called once this process has hung (its report is then written at once)."""
         if self._config.torch_threads is not None:
             import torch
 
@@ -95,7 +97,7 @@ class DeviceProcess:
         batching = DeviceBatching(calibration.batch_size, threads=self._config.device_threads,
                                   hang_s=hang_limit(self._config.device_hang_s, calibration))
         self._server = DeviceServer(self._handlers, socket_path(self._host_dir, self._index), batching,
-                                    DeviceMetrics(self._index, REGISTRY), self._engines).start()
+                                    DeviceMetrics(self._index, REGISTRY), self._engines, on_hung).start()
         self._ready.set()
         log.info("device process %d serving %s on %s (device batches of up to %d items, %d threads; hung past "
                  "%.1f s)", self._index, ", ".join([*self._handlers, *self._engines]), self._device,

@@ -127,8 +127,11 @@ class DeviceServer:
     """``start()`` listens on ``path`` and serves ``handlers`` and ``engines`` (by model name) until ``stop()``."""
 
     def __init__(self, handlers: dict[str, Handler], path: Path, batching: DeviceBatching,
-                 metrics: DeviceMetrics, engines: dict[str, DeviceEngine] | None = None) -> None:
+                 metrics: DeviceMetrics, engines: dict[str, DeviceEngine] | None = None,
+                 on_hung: Callable[[], None] | None = None) -> None:
+        """``on_hung``: called once, when this process has hung (``hung``)."""
         self._handlers = handlers
+        self._on_hung = on_hung
         self._engines = engines or {}
         self.path = Path(path)
         self._batching = batching
@@ -255,6 +258,8 @@ class DeviceServer:
         if self.hung is None:
             log.error("%s: what it held failed; this device process is to be replaced", why)
             self.hung = why
+            if self._on_hung is not None:
+                self._on_hung()
 
     # --- connections
 

@@ -153,6 +153,7 @@ class WorkerReport:
         self._service = service
         self._progress = progress
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kinference-worker-report", daemon=True)
 
     def __enter__(self) -> WorkerReport:
@@ -161,6 +162,7 @@ class WorkerReport:
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(_REPORT_S * 2)
 
     def _run(self) -> None:
@@ -168,9 +170,15 @@ class WorkerReport:
         while True:
             self.write()
             # Often until the worker is in the group, so that its join is reported at once.
-            if self._stop.wait(_REPORT_S if joined else _JOINING_S):
+            self._wake.wait(_REPORT_S if joined else _JOINING_S)
+            self._wake.clear()
+            if self._stop.is_set():
                 return
             joined = joined or self._service.wait_ready(0)
+
+    def wake(self) -> None:
+        """Write the report now, not at the next second (what the supervisor acts on changed)."""
+        self._wake.set()
 
     def write(self) -> None:
         service = self._service

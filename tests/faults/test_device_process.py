@@ -278,7 +278,7 @@ def test_a_hung_device_batch_is_answered_device_hung_and_its_process_replaced_wh
     assert len(replies) == 400 and health[-1][1] == 200
     red = [(at, body) for at, status, body in health if status != 200]
     assert red, "no red /healthz while the device process was hung"
-    assert red[0][0] < 3 + 3, red[0]  # from the hang's detection on
+    assert red[0][0] < 3 + 2, red[0]  # as the hang is detected (3 s after the batch began, and a poll)
     assert any("device 0" in str(body) for _, body in red), red
 
 
