@@ -465,6 +465,11 @@ class ServiceConfig(BaseModel):
         120.0, gt=0, le=86_400, description="How long a worker waits for its device process to answer (it is "
         "restarted if it died, and the call is sent again) before that micro-batch fails with handler_error.",
     )
+    device_hang_s: Annotated[float, Field(gt=0, le=86_400)] | Literal["auto"] = Field(
+        "auto", description="A device batch running longer than this has hung: its requests fail with device_hung, "
+        "/healthz turns red and the device process is replaced. auto: 10 times the slowest batch of the start-up "
+        "calibration, at least 30 s.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_format: Literal["text", "json"] = Field(
         "text", description="text, or json: one object per line with topic/partition/offset/correlation_id."
@@ -958,3 +963,8 @@ def describe_errors(exc: ValidationError) -> str:
         where = f"{field} (--{str(loc[0]).replace('_', '-')}, {ENV_PREFIX}{str(loc[0]).upper()})" if loc else field
         lines.append(f"  {where}: {error['msg']}")
     return "\n".join(lines)
+
+
+def served_name(settings: ServiceConfig, handler: Handler) -> str:
+    """A model's name (set up): in its metrics, its errors, OIP and the device process's calls."""
+    return settings.model_name or handler.describe().get("model") or settings.handler

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from confluent_kafka import KafkaException
 
-from kinference.consumer.accelerator.device_link import DeviceLink
+from kinference.consumer.accelerator.worker_link import DeviceLink
 from kinference.consumer.config import ServiceConfig
 from kinference.consumer.delivery.at_least_once import AtLeastOnce
 from kinference.consumer.delivery.exactly_once import ExactlyOnce

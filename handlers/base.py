@@ -153,6 +153,12 @@ class Handler(ABC):
         rows in order; only for ``device_process`` handlers, in the device process."""
         raise NotImplementedError(f"{type(self).__name__} sets device_process but does not implement merge")
 
+    def rows(self, inputs: Any) -> int:
+        """The batch rows of one ``preprocess`` result: how many outputs ``inference`` returns for it (an item may
+        take several rows, as an embeddings request with an ``input`` list does). The device process splits a merged
+        batch's outputs by it; only for ``device_process`` handlers."""
+        return len(inputs)
+
     def calibration_payloads(self, count: int) -> list[Any] | None:
         """``count`` request payloads of the traffic the model is expected to serve, for the start-up calibration
         of the device batch size and the worker count (``--workers auto``); None: no calibration."""

@@ -17,7 +17,7 @@ Every submitted request ends with exactly one terminal event (``final``, ``error
 
 With a device process (``--device-process``), the engine runs there once for every worker: the device process sets
 the handler up with role ``device`` and drives it through these same calls, and each worker drives a link to it
-(``consumer/accelerator/engine_link.py``) that implements them too. The link adds one terminal event of its own,
+(``consumer/accelerator/worker_engine_link.py``) that implements them too. The link adds one terminal event of its own,
 ``lost``: the device process that held the request died, and the service generates it again under a new attempt.
 
 An engine watches over itself (``health``): one whose loop died, or that makes no progress while it has work, is

@@ -182,6 +182,10 @@ class RowsHandler(TextHandler):
             start += count
         return grouped
 
+    def rows(self, inputs: RowsBatch) -> int:  # type: ignore[override]  # a RowsBatch
+        """One output per request (``inference`` groups a request's rows), not per row."""
+        return len(inputs.groups)
+
     def token_counts(self, inputs: RowsBatch) -> tuple[int, int]:  # type: ignore[override]  # a RowsBatch
         return (sum(part.real_tokens for part in inputs.parts),
                 sum(part.tensors["input_ids"].numel() for part in inputs.parts))

@@ -338,6 +338,9 @@ class TextHandler(Handler):
         tensors = {name: self.accelerator.host(tensor) for name, tensor in merged.items()}
         return TextBatch(tensors, real_rows=rows, real_tokens=sum(batch.real_tokens for batch in inputs))
 
+    def rows(self, inputs: TextBatch) -> int:
+        return inputs.real_rows
+
     def sample_rows(self, count: int) -> list[TextItem]:
         """``count`` rows of the expected traffic, tokenised: what ``dtype=auto`` compares precisions on."""
         return list(self.validate_many(self.calibration_payloads(count)))

@@ -40,6 +40,11 @@ class RequestError(KinferenceError):
         return str(self)
 
 
+class ServiceFault(RequestError):
+    """What runs a handler call failed, not the handler (a hung device process): the requests of that call fail
+    with this error's own code, where a handler's exception gives ``handler_error``."""
+
+
 class InvalidInput(RequestError):
     """One request's payload is not acceptable to the handler (reply code ``bad_request``)."""
 

@@ -114,6 +114,9 @@ class ErrorCode(StrEnum):
     HANDLER_TIMEOUT = "handler_timeout"
     """A handler call (preprocess, inference or postprocess) of the request's micro-batch ran longer than
     ``handler_timeout_s``; the model is then unhealthy, and the record is dead-lettered."""
+    DEVICE_HUNG = "device_hung"
+    """The device process's batch that held the request made no progress for ``device_hang_s``; that device
+    process is replaced."""
     REPLY_TOPIC_NOT_ALLOWED = "reply_topic_not_allowed"
     """The request named a reply topic outside the service's allow-list; the error reply goes to the default
     reply topic instead."""

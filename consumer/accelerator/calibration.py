@@ -59,6 +59,10 @@ class Calibration:
     curve: dict[int, float]
     """Items/s by batch size."""
 
+    def slowest_batch_s(self) -> float:
+        """The longest a measured batch took (its size over its items/s); 0 with nothing measured."""
+        return max((size / rate for size, rate in self.curve.items() if rate > 0), default=0.0)
+
     def line(self) -> str:
         curve = ", ".join(f"{size}: {rate:,.0f}" for size, rate in self.curve.items())
         return (f"calibration: device batch size {self.batch_size} ({self.device_items_s:,.0f} items/s; items/s by "

@@ -1,9 +1,9 @@
 """A generative model's engine in the device process: one engine for every worker (issue 28 on issue 27's design).
 
-Each worker connects once per generative model (``engine_link``) and submits and cancels its requests; the engine
-(the model's ``GenerativeHandler``, set up with role ``device``) decodes every worker's sequences together, one
-step at a time. One pump thread takes the engine's events and sends each worker the events of its own requests, a
-step's worth in one message.
+Each worker connects once per generative model (``worker_engine_link``; the messages: ``wire``) and submits and
+cancels its requests; the engine (the model's ``GenerativeHandler``, set up with role ``device``) decodes every
+worker's sequences together, one step at a time. One pump thread takes the engine's events and sends each worker
+the events of its own requests, a step's worth in one message.
 
 - Request ids are made unique across workers here: the engine knows ``<connection>/<the worker's id>``, and each
   event goes back to its connection under the worker's own id.
@@ -12,6 +12,9 @@ step's worth in one message.
 - A worker that takes no events for ``SEND_TIMEOUT_S`` (its drain thread is stuck) is dropped the same way, rather
   than stall every other worker's events behind it.
 - The engine's refusal of a request (``submit`` raised) is that request's ``error`` event.
+- An engine that stops stepping while it holds requests (its ``events`` call does not return: a wedged model call)
+  has stalled (``stalled_s``); past ``--device-hang-s`` the device server ends its requests with an ``error`` event
+  (``fail_all``) and reports the process hung, to be replaced.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import logging
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field, replace
 
-from kinference.consumer.accelerator.engine_link import recv_message, send_message
-from kinference.handlers.generative import TERMINAL, Event, GenerativeHandler
+from kinference.consumer.accelerator import wire
+from kinference.handlers.generative import TERMINAL, Event, GenerativeHandler, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,7 @@ class _Worker:
         """False when the worker is gone (or stuck past ``SEND_TIMEOUT_S``)."""
         try:
             with self.lock:
-                send_message(self.sock, (events, kv_cache_use))
+                wire.send(self.sock, wire.Events(events, kv_cache_use))
         except OSError as exc:
             log.info("a worker's connection is gone (%s): its generations are cancelled", exc)
             self.hang_up()
@@ -78,6 +82,8 @@ class DeviceEngine:
         self._workers: set[_Worker] = set()
         self._tags = itertools.count()
         self._stopping = threading.Event()
+        self._beat = time.monotonic()
+        """When the pump last came back from the engine (``stalled_s``)."""
 
     def serve(self, sock: socket.socket) -> None:
         """One worker's submits and cancels, until its connection closes; then its sequences are cancelled."""
@@ -87,25 +93,30 @@ class DeviceEngine:
             self._workers.add(worker)
         try:
             with worker.lock:
-                send_message(sock, "ok")
-            while (message := recv_message(sock)) is not None:
-                if message[0] == "submit":
-                    self._submit(worker, message[1], message[2])
-                else:
-                    self._cancel(worker, message[1])
-        except OSError:
-            pass  # a worker gone: the same as a closed connection
+                wire.send(sock, wire.Ready())
+            while (received := wire.receive_to_device(sock)) is not None:
+                match received[0]:
+                    case wire.Submit(request_id, prompt):
+                        self._submit(worker, request_id, prompt)
+                    case wire.Cancel(request_id):
+                        self._cancel(worker, request_id)
+                    case other:
+                        log.warning("model %s: a worker sent %s on its engine link; closed", self.name,
+                                    type(other).__name__)
+                        return
+        except (OSError, wire.WireError) as exc:  # a worker gone: the same as a closed connection
+            log.debug("model %s: a worker's engine link ended: %s", self.name, exc)
         finally:
             self._forget(worker)
             sock.close()
 
-    def _submit(self, worker: _Worker, request_id: str, prompt: object) -> None:
+    def _submit(self, worker: _Worker, request_id: str, prompt: Prompt) -> None:
         engine_id = worker.engine_id(request_id)
         with self._lock:
             self._routes[engine_id] = (worker, request_id)
             worker.requests.add(engine_id)
         try:
-            self.handler.submit(engine_id, prompt)  # type: ignore[arg-type]  # a Prompt, from the worker's link
+            self.handler.submit(engine_id, prompt)
         except Exception as exc:  # the engine refuses this request alone
             with self._lock:
                 self._routes.pop(engine_id, None)
@@ -129,12 +140,36 @@ class DeviceEngine:
         if ids:
             log.info("model %s: a worker left; %d of its generations cancelled", self.name, len(ids))
 
+    @property
+    def connected(self) -> int:
+        """Workers' connections open now."""
+        return len(self._workers)
+
     def pump(self) -> None:
         """Take the engine's events and send each worker its own, until ``stop()``."""
         while not self._stopping.is_set():
+            self._beat = time.monotonic()
             events = self.handler.events(_POLL_S)
             if events:
                 self._route(events)
+
+    def stalled_s(self) -> float:
+        """How long the engine has not come back while it holds requests; 0 when it steps, or holds none."""
+        with self._lock:
+            holding = bool(self._routes)
+        return time.monotonic() - self._beat if holding else 0.0
+
+    def fail_all(self, why: str) -> None:
+        """Every request the engine holds ends with an ``error`` event saying ``why`` (the engine hung)."""
+        with self._lock:
+            routes, self._routes = self._routes, {}
+            for worker in self._workers:
+                worker.requests.clear()
+        by_worker: dict[_Worker, list[Event]] = {}
+        for worker, request_id in routes.values():
+            by_worker.setdefault(worker, []).append(Event(request_id, "error", why))
+        for worker, failed in by_worker.items():
+            worker.send(failed, None)
 
     def _route(self, events: list[Event]) -> None:
         by_worker: dict[_Worker, list[Event]] = {}

@@ -1,23 +1,30 @@
-"""The device process's life: load every model that can run here, warm it up, calibrate, serve (``device``).
+"""The device process's life: load every model that can run here, warm it up, calibrate, serve (``device_server``).
 
 Started by the supervisor as ``kinference serve ... --device-index I`` (the user's own flags), before the
 workers: they connect to its socket in the host directory (``socket_path``), and the supervisor sizes
 ``--workers auto`` from its calibration (``calibration_path``). Its health and readiness go to the supervisor as a
 worker's do (``WorkerReport``), so ``/healthz`` names it when it fails; a dead device process is restarted, and
-its workers send their calls again (``device_link``).
+its workers send their calls again (``worker_link``). Its report carries its progress too (``progress``): a device
+batch running past ``--device-hang-s`` gets the process replaced (``supervisor``).
+
+On SIGTERM it serves on until its workers have closed their connections (``DeviceServer.drain``): a SIGTERM to the
+whole process group (systemd's ``KillMode=control-group``) reaches the workers and this process at once, and the
+workers' last micro-batches still need it while they drain.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import REGISTRY
 
 from kinference.consumer.accelerator.calibration import Calibration, calibrate
-from kinference.consumer.accelerator.device import DeviceBatching, DeviceMetrics, DeviceServer
 from kinference.consumer.accelerator.device_engine import DeviceEngine
+from kinference.consumer.accelerator.device_server import DeviceBatching, DeviceMetrics, DeviceServer
 from kinference.consumer.config import ServiceConfig, served_name
 from kinference.errors import ConfigError
 from kinference.handlers import Handler, HandlerContext, load_handler
@@ -28,6 +35,17 @@ log = logging.getLogger(__name__)
 DEFAULT_DEVICE_BATCH_SIZE = 256
 """``--device-batch-size auto`` without a calibration (a handler with no calibration payloads): the largest
 batch the calibration would try."""
+HANG_MARGIN = 10.0
+"""``--device-hang-s auto``: this many times the slowest batch of the calibration..."""
+HANG_FLOOR_S = 30.0
+"""... and never less (a first batch of a new shape compiles; a busy host's batch runs slower than calibrated)."""
+
+
+def hang_limit(setting: float | str, calibration: Calibration) -> float:
+    """``--device-hang-s`` in seconds: as set, or (``auto``) derived from the calibration."""
+    if setting != "auto":
+        return float(setting)
+    return max(HANG_FLOOR_S, HANG_MARGIN * calibration.slowest_batch_s())
 
 
 def socket_path(host_dir: Path, index: int) -> Path:
@@ -61,7 +79,8 @@ class DeviceProcess:
         self._server: DeviceServer | None = None
         self._ready = threading.Event()
 
-    def start(self) -> DeviceProcess:
+    def start(self, on_hung: Callable[[], None] | None = None) -> DeviceProcess:
+        """``on_hung``: called once this process has hung (its report is then written at once)."""
         if self._config.torch_threads is not None:
             import torch
 
@@ -74,13 +93,15 @@ class DeviceProcess:
                 self._handlers[name] = handler
         if not self._handlers and not self._engines:
             raise ConfigError("no model of this service can run in a device process: use --device-process off")
-        batch_size = self._calibrate()
-        batching = DeviceBatching(batch_size, threads=self._config.device_threads)
+        calibration = self._calibrate()
+        batching = DeviceBatching(calibration.batch_size, threads=self._config.device_threads,
+                                  hang_s=hang_limit(self._config.device_hang_s, calibration))
         self._server = DeviceServer(self._handlers, socket_path(self._host_dir, self._index), batching,
-                                    DeviceMetrics(self._index, REGISTRY), self._engines).start()
+                                    DeviceMetrics(self._index, REGISTRY), self._engines, on_hung).start()
         self._ready.set()
-        log.info("device process %d serving %s on %s (device batches of up to %d items, %d threads)", self._index,
-                 ", ".join([*self._handlers, *self._engines]), self._device, batch_size, batching.threads)
+        log.info("device process %d serving %s on %s (device batches of up to %d items, %d threads; hung past "
+                 "%.1f s)", self._index, ", ".join([*self._handlers, *self._engines]), self._device,
+                 calibration.batch_size, batching.threads, batching.hang_s)
         return self
 
     def _load(self) -> list[tuple[str, Handler]]:
@@ -97,12 +118,12 @@ class DeviceProcess:
             loaded.append((served_name(settings, handler), handler))
         return loaded
 
-    def _calibrate(self) -> int:
+    def _calibrate(self) -> Calibration:
         """The device batch size: measured when ``auto`` or when the supervisor sizes the workers; written for it."""
         config = self._config
         fixed = None if config.device_batch_size == "auto" else int(config.device_batch_size)
         if fixed is not None and config.workers != "auto":
-            return fixed
+            return Calibration(fixed, 0.0, 0.0, 1, {})
         name, handler = next(iter(self._handlers.items()), (None, None))
         result = None if handler is None else calibrate(handler, self._max_rows, fixed)
         if result is None:  # a generative engine batches per decoding step: nothing to calibrate
@@ -112,7 +133,7 @@ class DeviceProcess:
         else:
             log.info("device %d %s", self._index, result.line())
         result.write(calibration_path(self._host_dir, self._index))
-        return result.batch_size
+        return result
 
     # --- what WorkerReport tells the supervisor
 
@@ -120,8 +141,8 @@ class DeviceProcess:
         return self._ready.wait(timeout_s)
 
     def health_checks(self) -> dict[str, bool]:
-        """The server's threads, and each generative model's engine (red while it is replaced)."""
-        return {"device server": self._server is None or self._server.alive,
+        """The server's threads, its progress, and each generative model's engine (red while it is replaced)."""
+        return {"device server": self.healthy, "progress": self._server is None or self._server.hung is None,
                 **{f"model {name}": engine.handler.health.problem is None for name, engine in self._engines.items()}}
 
     def readiness_checks(self) -> dict[str, bool]:
@@ -129,11 +150,22 @@ class DeviceProcess:
 
     def problems(self) -> list[str]:
         engines = [problem for engine in self._engines.values() if (problem := engine.handler.health.problem)]
-        return (list(self._server.crashed) if self._server is not None else []) + engines
+        if self._server is None:
+            return engines
+        return [*self._server.crashed, *([self._server.hung] if self._server.hung is not None else []), *engines]
+
+    def progress(self) -> dict[str, Any]:
+        """For the supervisor (``WorkerReport``): how long the oldest device batch has run, the limit, and why this
+        process is hung (None while it makes progress)."""
+        server = self._server
+        if server is None:
+            return {}
+        return {"limit_s": server.hang_s, "stalled_s": server.stalled_s(), "hung": server.hung}
 
     @property
     def healthy(self) -> bool:
-        return all(self.health_checks().values())
+        """Its threads run (a hung one is the supervisor's to replace: ``progress``)."""
+        return self._server is None or self._server.alive
 
     @property
     def failed(self) -> bool:
@@ -142,7 +174,11 @@ class DeviceProcess:
         return not all(ok or name in replacing for name, ok in self.health_checks().items())
 
     def stop(self, timeout_s: float) -> None:
+        """Once every worker has gone (their drain needs this process: a SIGTERM to the process group reaches both
+        at once), stop serving. A hung process does not wait: its supervisor replaces it."""
         if self._server is not None:
+            if self._server.hung is None and not self._server.drain(timeout_s):
+                log.warning("stop: workers still connected after %.0f s", timeout_s)
             self._server.stop(timeout_s)
         for handler in [*self._handlers.values(), *(engine.handler for engine in self._engines.values())]:
             handler.close()

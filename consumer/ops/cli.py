@@ -231,8 +231,8 @@ def _run_device(args: argparse.Namespace, config: ServiceConfig) -> int:
 
     stop = _stop_on_signals()
     device = DeviceProcess(config, args.device_index, args.worker_report.parent, resolve_device(config.device))
-    with WorkerReport(args.worker_report, device):
-        device.start()
+    with WorkerReport(args.worker_report, device, progress=device.progress) as report:
+        device.start(on_hung=report.wake)
         settle_heap()
         try:
             while not stop.wait(_HEALTH_CHECK_S):

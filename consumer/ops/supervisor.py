@@ -9,6 +9,10 @@ process one per GPU, under a small supervisor (gunicorn's arbiter, cut down to w
   devices can absorb, within the cores (``calibration``). A device process is supervised as a worker is.
 - SIGTERM and SIGINT are forwarded to every worker, which shuts down as a single process does (within
   ``shutdown_grace_s``); a worker still running ``_KILL_MARGIN_S`` after that is killed.
+- A device process that stops making progress (its report's ``progress``: a device batch running past
+  ``--device-hang-s``, or no report at all for that long) is killed and replaced; it answered the calls of its hung
+  batch with ``device_hung`` itself, and the workers send the others again to its replacement. ``/healthz`` names it
+  from the moment it reports no progress until the replacement is ready.
 - A worker that exits on its own is restarted, after a backoff that doubles with each quick death (from
   ``Restarts.backoff_s``). A worker that died ``Restarts.quick_deaths`` times in a row, each within
   ``Restarts.stable_s`` of its start, will not get better by itself: the supervisor stops the others and exits 1, so
@@ -143,10 +147,13 @@ class WorkerReport:
     second and at once when the worker joins the group (a drain times workers from then). ``with WorkerReport(path,
     service):`` around the service's whole life, its start included (a slow model load is "alive, not ready")."""
 
-    def __init__(self, path: Path, service: Any) -> None:
+    def __init__(self, path: Path, service: Any, progress: Callable[[], dict[str, Any]] | None = None) -> None:
+        """``progress``: what the supervisor replaces the process on (``Supervisor._stalled``)."""
         self._path = Path(path)
         self._service = service
+        self._progress = progress
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kinference-worker-report", daemon=True)
 
     def __enter__(self) -> WorkerReport:
@@ -155,6 +162,7 @@ class WorkerReport:
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(_REPORT_S * 2)
 
     def _run(self) -> None:
@@ -162,14 +170,22 @@ class WorkerReport:
         while True:
             self.write()
             # Often until the worker is in the group, so that its join is reported at once.
-            if self._stop.wait(_REPORT_S if joined else _JOINING_S):
+            self._wake.wait(_REPORT_S if joined else _JOINING_S)
+            self._wake.clear()
+            if self._stop.is_set():
                 return
             joined = joined or self._service.wait_ready(0)
+
+    def wake(self) -> None:
+        """Write the report now, not at the next second (what the supervisor acts on changed)."""
+        self._wake.set()
 
     def write(self) -> None:
         service = self._service
         report = {"pid": os.getpid(), "health": service.health_checks(), "ready": service.readiness_checks(),
                   "problems": service.problems()}
+        if self._progress is not None:
+            report["progress"] = self._progress()
         temporary = self._path.with_suffix(".tmp")
         temporary.write_bytes(orjson.dumps(report))
         os.replace(temporary, self._path)  # the supervisor never reads half a report
@@ -188,6 +204,8 @@ class Member:
     restart_at: float | None = None
     last_exit: int | None = None
     restarts: int = 0
+    replaced: str | None = None
+    """Why it was killed for making no progress; cleared once its replacement is ready."""
 
     @property
     def name(self) -> str:
@@ -322,6 +340,11 @@ class Supervisor:
         return {name: state.why for name, state in self.states().items() if state.why}
 
     def _state(self, worker: Member, now: float) -> WorkerState:
+        if worker.replaced is not None:
+            return WorkerState(False, False, f"replaced: {worker.replaced}")
+        return self._reported(worker, now)
+
+    def _reported(self, worker: Member, now: float) -> WorkerState:
         process = worker.process
         if process is None or process.poll() is not None:
             # The supervisor restarts it (or gives up and exits): not a reason to restart the whole host.
@@ -408,6 +431,7 @@ class Supervisor:
         """Reap dead processes and start due ones again; False once one died too often."""
         for worker in self.members:
             process = worker.process
+            self._supervise_progress(worker, now)
             if worker.restart_at is not None:
                 if now >= worker.restart_at:
                     worker.restarts += 1
@@ -427,6 +451,25 @@ class Supervisor:
             log.error("%s (pid %d) exited with code %d; starting it again in %.1f s", worker.name, process.pid, code,
                       backoff)
         return True
+
+    def _supervise_progress(self, member: Member, now: float) -> None:
+        """Kill a running member that stopped making progress (it is then restarted as any dead one is); once its
+        replacement is ready, it is healthy again."""
+        process = member.process
+        if process is None or process.poll() is not None:
+            return
+        if member.replaced is not None:
+            if self._reported(member, now).ready:
+                log.info("%s (pid %d) serves again after its replacement", member.name, process.pid)
+                member.replaced = None
+            return
+        why = _stalled(member.report, process.pid)
+        if why is not None:
+            with self._lock:
+                member.replaced = why
+            log.error("%s (pid %d) makes no progress (%s); killing it to start it again", member.name, process.pid,
+                      why)
+            process.kill()
 
     def _reaped(self, worker: Member, process: subprocess.Popen[bytes]) -> None:
         """A worker's process ended: its live gauges leave the host's sums."""
@@ -458,3 +501,22 @@ class Supervisor:
                 process.kill()
                 process.wait()
             self._reaped(worker, process)
+
+
+def _stalled(report_path: Path, pid: int) -> str | None:
+    """Why the process ``pid`` that writes ``report_path`` makes no progress; None when it does, or does not report
+    its progress. It says so itself (a device batch past its limit), or its report is older than the limit (the
+    process is stopped, or stuck holding the GIL)."""
+    try:
+        age = time.time() - report_path.stat().st_mtime
+        report = orjson.loads(report_path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    progress = report.get("progress") or {}
+    if report.get("pid") != pid or "limit_s" not in progress:
+        return None
+    if progress.get("hung"):
+        return str(progress["hung"])
+    if age > progress["limit_s"]:
+        return f"no report for {age:.0f} s, past --device-hang-s ({progress['limit_s']:g} s)"
+    return None

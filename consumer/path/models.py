@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kinference.consumer.accelerator.engine_link import EngineLink
+from kinference.consumer.accelerator.worker_engine_link import EngineLink
+from kinference.consumer.accelerator.worker_link import DeviceInference
 from kinference.consumer.config import Batching, ServiceConfig, served_name
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
@@ -26,7 +27,7 @@ from kinference.consumer.path.admission import admit
 from kinference.consumer.path.batcher import Batcher
 from kinference.consumer.path.generations import Generations, GenerationSettings, StreamChunk
 from kinference.consumer.path.router import ModelRoute, Router
-from kinference.consumer.path.stages import ModelRun, Pipeline
+from kinference.consumer.path.stages import Inference, InProcessInference, ModelRun, Pipeline
 from kinference.consumer.types import PartitionKey, Route
 from kinference.consumer.wire.oip import ServedModel as OipModel
 from kinference.errors import ConfigError, RequestError
@@ -36,7 +37,7 @@ from kinference.handlers.generative import GenerativeHandler, GenerativePort
 from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
-    from kinference.consumer.accelerator.device_link import DeviceLink
+    from kinference.consumer.accelerator.worker_link import DeviceLink
     from kinference.consumer.delivery.publisher import Publisher
     from kinference.consumer.ops.tracing import Tracing
 
@@ -145,19 +146,21 @@ class Models:
         cost = batcher.cost
         metrics.batch_cost_fixed.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[0])
         metrics.batch_cost_per_unit.labels(name).set_function(lambda: (cost.fit() or (math.nan, math.nan))[1])
-        device = self._link if handler.device_process else None
-        batching = settings.batching
-        if device is not None:  # the inference threads only wait for the device process: one per micro-batch there
+        batching: Batching = settings.batching
+        inference: Inference = InProcessInference(handler)
+        if self._link is not None and handler.device_process:
+            # The inference threads only wait for the device process: one per micro-batch there.
             threads = batching.parallelism.model_copy(update={"inference": settings.device_in_flight})
             batching = batching.model_copy(update={"parallelism": threads})
-        pipeline = Pipeline(ModelRun(name, handler, batching, device), batcher, answer, metrics, tracing)
+            inference = DeviceInference(self._link, name)
+        pipeline = Pipeline(ModelRun(name, handler, batching, inference), batcher, answer, metrics, tracing)
         route = ModelRoute(name, settings.model_version, handler.payload_format, served)
         return LoadedModel(settings, batching, handler, route, batcher, pipeline, max_in_flight=None)
 
     def _build_generative(self, settings: ServiceConfig, handler: GenerativeHandler, answer: Answer,
                           stream: Stream, metrics: Metrics) -> LoadedModel:
         """A generative model skips the batcher and the stages: its engine batches per decoding step, in this
-        process or, with a device process, there (``engine_link``): once for every worker."""
+        process or, with a device process, there (``worker_engine_link``): once for every worker."""
         name = served_name(settings, handler)
         port: GenerativePort = handler
         if self._link is not None and handler.device_process:

@@ -26,12 +26,11 @@ from kinference.consumer.config import Batching
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.logs import about
 from kinference.consumer.ops.metrics import Metrics
-from kinference.errors import RequestError
+from kinference.errors import RequestError, ServiceFault
 from kinference.handlers.base import Handler
 from kinference.protocol import ErrorCode, encode_result
 
 if TYPE_CHECKING:
-    from kinference.consumer.accelerator.device_link import DeviceLink
     from kinference.consumer.ops.tracing import BatchTrace, Tracing
 
 log = logging.getLogger(__name__)
@@ -262,7 +261,8 @@ class StagePool:
             # generator being closed, and this is none. Only KeyboardInterrupt is the operator's.
             log.warning("%s failed for a micro-batch of %d requests: %r", self.name, len(micro_batch.active), exc,
                         exc_info=log.isEnabledFor(logging.DEBUG), extra=about(micro_batch.requests[0]))
-            micro_batch.fail_active(RequestError(f"{self.name} failed: {exc!r}", ErrorCode.HANDLER_ERROR))
+            code = exc.code if isinstance(exc, ServiceFault) else ErrorCode.HANDLER_ERROR
+            micro_batch.fail_active(RequestError(f"{self.name} failed: {exc!r}", code))
         try:
             self._forward(micro_batch)
         except Abandoned:
@@ -285,16 +285,45 @@ class Batches(Protocol):
         """Learn the cost of an inference call."""
 
 
+class Inference(Protocol):
+    """Where a pipeline's inference runs, chosen once where the model is built: in this process
+    (``InProcessInference``), or in the device process (``worker_link.DeviceInference``)."""
+
+    def prepare(self) -> None:
+        """Once in each inference thread before it serves: the model warmed up, or its device process ready."""
+
+    def infer(self, inputs: Any) -> Any:
+        """One micro-batch's ``preprocess`` result in, its outputs out."""
+
+
+class InProcessInference:
+    """The handler's own ``inference``, in this process."""
+
+    def __init__(self, handler: Handler) -> None:
+        self._handler = handler
+        self._warm_up_lock = threading.Lock()
+
+    def prepare(self) -> None:
+        # Each inference thread warms the model up itself: torch keeps a thread pool per calling thread, and a model
+        # first run on another thread (measured: the one that called setup) runs 30-50% slower here. One thread at a
+        # time: compiling the same model from several threads at once is not safe in torch.
+        with self._warm_up_lock:
+            self._handler.warm_up()
+
+    def infer(self, inputs: Any) -> Any:
+        return self._handler.inference(inputs)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelRun:
     """What a pipeline runs: a served model's name (its metrics' label, and its errors'), its handler, how its
-    batches run (``Batching``: micro-batch size, threads per stage, handler timeout), and where its inference runs:
-    in this process, or in the device process (``device``)."""
+    batches run (``Batching``: micro-batch size, threads per stage, handler timeout), and where its inference runs
+    (``inference``: ``InProcessInference(handler)``, or the device process's)."""
 
     name: str
     handler: Handler
     batching: Batching
-    device: DeviceLink | None = None
+    inference: Inference
 
 
 class Pipeline:
@@ -312,7 +341,7 @@ class Pipeline:
         ``run.batching.handler_timeout_s`` at most (``_watch``)."""
         batching, model = run.batching, run.name
         self._handler = run.handler
-        self._device = run.device
+        self._inference_port = run.inference
         self._model = model
         self._handler_timeout_s = batching.handler_timeout_s
         threads = batching.parallelism
@@ -344,17 +373,14 @@ class Pipeline:
         parts_per_batch = -(-batching.max_batch_size // self._micro)
         self._stopping = threading.Event()
         self._abandon = threading.Event()
-        self._warm_up_lock = threading.Lock()
         # A slot admits one batch, so at most this many micro-batches wait in any one stage queue.
         shared = PoolsShare(model, metrics, in_flight * parts_per_batch + threads.postprocess, self._abandon)
         # Chosen once here, so that untraced stages do not even ask whether to trace.
         traced = tracing.stage if tracing is not None else _untraced
         self._post = StagePool("postprocess", traced("postprocess", self._postprocess), self._emit_micro_batch,
                                threads.postprocess, shared)
-        # Each inference thread warms the model up itself: torch keeps a thread pool per calling thread, and
-        # a model first run on another thread (measured: the one that called setup) runs 30-50% slower here.
         self._infer = StagePool("inference", traced("inference", self._inference), self._to_postprocess,
-                                threads.inference, shared, prepare=self._warm_up)
+                                threads.inference, shared, prepare=self._inference_port.prepare)
         self._pre = StagePool("preprocess", traced("preprocess", self._preprocess), self._infer.put,
                               threads.preprocess, shared)
         self._pools = (self._pre, self._infer, self._post)
@@ -387,14 +413,6 @@ class Pipeline:
             return True
         self._abandon.set()
         return False
-
-    def _warm_up(self) -> None:
-        if self._device is not None:  # the device process warmed the model up: wait until it answers
-            self._device.wait_ready()
-            return
-        # One thread at a time: compiling the same model from several threads at once is not safe in torch.
-        with self._warm_up_lock:
-            self._handler.warm_up()
 
     @property
     def healthy(self) -> bool:
@@ -497,10 +515,7 @@ class Pipeline:
 
     def _inference(self, micro_batch: MicroBatch) -> None:
         started = time.perf_counter()
-        if self._device is None:
-            micro_batch.outputs = self._handler.inference(micro_batch.inputs)
-        else:  # in the device process (device_link): one message each way, the tensors in shared memory
-            micro_batch.outputs = self._device.infer(self._model, len(micro_batch.active), micro_batch.inputs)
+        micro_batch.outputs = self._inference_port.infer(micro_batch.inputs)
         elapsed = time.perf_counter() - started
         for request in micro_batch.active:
             request.inference_ms = elapsed * 1000

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -47,16 +48,33 @@ class TaggedEcho(EchoHandler):
 class DeviceEcho(EchoHandler):
     """Echo run in a device process (``--device-process on``): each result is ``{"value": <request>, "device_pid":
     <the device process's pid>}``, so a test sees which device process answered. Its inputs cross the process
-    boundary as plain data (pickled in the arena's message); ``merge`` joins the workers' micro-batches."""
+    boundary as plain data (pickled in the arena's message); ``merge`` joins the workers' micro-batches.
+
+    Option ``delay_s``: each device batch sleeps that long (a model of bounded throughput)."""
 
     name = "device-echo"
     device_process = True
 
     def setup(self, context: HandlerContext) -> None:
         self._pid = os.getpid()
+        self._delay_s = float(context.options.get("delay_s", 0.0))
 
     def merge(self, inputs: list[list[Any]]) -> list[Any]:
         return [item for batch in inputs for item in batch]
 
     def inference(self, inputs: list[Any]) -> list[Any]:
+        if self._delay_s:
+            time.sleep(self._delay_s)
         return [{"value": item, "device_pid": self._pid} for item in inputs]
+
+
+class DeviceWedge(DeviceEcho):
+    """``DeviceEcho`` whose device batch never returns when it holds a request ``{"wedge": true}``: a wedged model
+    call, as a CUDA hang is."""
+
+    name = "device-wedge"
+
+    def inference(self, inputs: list[Any]) -> list[Any]:
+        if any(isinstance(item, dict) and item.get("wedge") for item in inputs):
+            threading.Event().wait()
+        return super().inference(inputs)

@@ -129,10 +129,13 @@ class Settings:
 class Member:
     """``kinference serve`` in a child process; its stderr is read line by line on a thread."""
 
-    def __init__(self, name: str, args: list[str]) -> None:
+    def __init__(self, name: str, args: list[str], own_group: bool = False) -> None:
+        """``own_group``: the member leads a process group of its own (and its children join it), which a test can
+        signal as a whole (``os.killpg``), as systemd signals a unit's control group."""
         self.name = name
         self.process = subprocess.Popen([sys.executable, "-m", "kinference", "serve", *args], cwd=REPO,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        process_group=0 if own_group else None)
         self.pid = self.process.pid
         self.started_ms = now_ms()
         self.ended_ms: int | None = None

@@ -3,7 +3,10 @@ both workers, on the real broker (CPU: the same design as on a GPU).
 
 Every request is answered by the one device process; a device process killed with SIGKILL is started again and
 the workers send their calls again, so nothing is lost; ``/healthz`` and ``/metrics`` name the device process.
-The same for a generative model, whose one engine in the device process generates for both workers."""
+The same for a generative model, whose one engine in the device process generates for both workers. What the
+in-process path answers, this one answers too: OpenAI embeddings bodies with an ``input`` list, micro-batches of
+megabytes; a device batch that hangs is answered ``device_hung`` and its process replaced; a SIGTERM to the whole
+process group drains as one to the supervisor does."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import os
 import re
 import signal
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -21,7 +25,7 @@ import pytest
 from kinference import protocol
 from kinference.consumer.brokers.broker import free_port
 from kinference.loadgen.stream import Stream
-from tests.faults.harness import Member, client_for, read_all
+from tests.faults.harness import Load, Member, client_for, read_all
 from tests.faults.test_workers import get, sample, wait_until
 from tests.integration.kafka_io import headers_of
 from tests.models import build_tiny_causal_lm
@@ -49,16 +53,17 @@ def device_pids(client, start: int, count: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def supervised(settings, handler: str | None, *extra: str) -> Iterator[tuple[Member, int]]:
+def supervised(settings, handler: str | None, *extra: str, own_group: bool = False) -> Iterator[tuple[Member, int]]:
     """``kinference serve --device-process on --workers 2`` serving ``handler`` (None: no ``--handler``, for
     ``--models``), ready (the device process and both workers); its metrics port. Every process of it is killed at
-    the end if a failed test left them running."""
+    the end if a failed test left them running. ``own_group``: the supervisor and its processes in a process group of
+    their own (``Member``)."""
     port = free_port()
     args = [arg for arg in settings.args() if arg != "--no-metrics"]
     at = args.index("--handler")
     args[at:at + 2] = [] if handler is None else ["--handler", handler]
     supervisor = Member("supervisor", [*args, "--device-process", "on", "--workers", "2", "--metrics-host",
-                                       "127.0.0.1", "--metrics-port", str(port), *extra])
+                                       "127.0.0.1", "--metrics-port", str(port), *extra], own_group=own_group)
     try:
         wait_until(lambda: get(port, "/readyz")[0] == 200 and "worker 1" in pids(supervisor), 90,
                    "the device process and both workers ready", supervisor)
@@ -177,3 +182,130 @@ def test_one_engine_generates_for_both_workers_and_a_killed_device_process_ends_
                      for record in read_all(settings.bootstrap, settings.topics["replies"], count, 30)
                      if headers_of(record)[protocol.EVENT] == b"final")
     assert sorted(finals.values()) == [1] * count and {r.stream.correlation_id.encode() for r in readers} == set(finals)
+
+
+@pytest.mark.model
+@pytest.mark.timeout(240)
+def test_openai_embeddings_input_lists_and_their_neighbours_are_answered_as_in_process(fault_settings):
+    """Three ``{"input": [...]}`` bodies among 30 single texts, sent together so that they share micro-batches and
+    device batches: each list takes a row per text, and every request is answered, each text with the embedding its
+    single request got."""
+    from tests.models import varied_texts
+
+    settings = fault_settings(partitions=2)
+    texts = varied_texts(30, max_words=20)
+    client = client_for(settings).start()
+    try:
+        with supervised(settings, "embedding", "--device-batch-size", "64"):
+            singles, lists = [], []
+            for index, text in enumerate(texts):
+                singles.append(client.send({"text": text}, key=str(index)))
+                if index % 10 == 4:
+                    lists.append(client.send({"input": [texts[index], texts[index - 1], texts[index - 2]]},
+                                             key=f"list-{index}"))
+            single = [future.result(60) for future in singles]
+            listed = [future.result(60) for future in lists]
+    finally:
+        client.close()
+    assert [reply.error_code for reply in single + listed if not reply.ok] == []
+    for reply, index in zip(listed, (4, 14, 24), strict=True):
+        body = reply.result()
+        assert body["object"] == "list" and [entry["index"] for entry in body["data"]] == [0, 1, 2]
+        for entry, row in zip(body["data"], (index, index - 1, index - 2), strict=True):
+            assert entry["embedding"] == pytest.approx(single[row].result()["embedding"], abs=1e-4)
+
+
+@pytest.mark.timeout(240)
+def test_micro_batches_of_megabytes_cross_the_device_link_as_small_ones_do(fault_settings):
+    """32 requests of 128 KiB, echoed: micro-batches whose call and reply are megabytes each (4 MiB for a micro-batch
+    of all 32), far past a socket message's limit (~208 KiB), are answered at once."""
+    settings = fault_settings(partitions=1)
+    client = client_for(settings).start()
+    pad = "x" * (128 << 10)
+    try:
+        with supervised(settings, "tests.faults.handlers:DeviceEcho", "--max-batch-size", "32",
+                        "--micro-batch-size", "32") as (supervisor, port):
+            started = time.monotonic()
+            futures = [client.send({"seq": seq, "pad": pad}, key=str(seq)) for seq in range(32)]
+            replies = [future.result(60) for future in futures]
+            elapsed = time.monotonic() - started
+            assert [reply.error_code for reply in replies if not reply.ok] == []
+            assert [reply.result()["value"]["seq"] for reply in replies] == list(range(32))
+            assert all(reply.result()["value"]["pad"] == pad for reply in replies)
+            assert elapsed < 15, f"{elapsed:.1f} s"
+            assert sample(get(port, "/metrics")[1], "kinference_device_batch_rows_sum", device="0") >= 32
+            stop_cleanly(supervisor)
+    finally:
+        client.close()
+
+
+def _healthz(port: int) -> tuple[int, dict]:
+    status, body = get(port, "/healthz")
+    return status, orjson.loads(body) if body else {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_hung_device_batch_is_answered_device_hung_and_its_process_replaced_while_the_rest_flow(fault_settings):
+    """A request whose device batch never returns (a wedged model call), among a steady load: within
+    ``--device-hang-s`` its batch is answered ``device_hung``, ``/healthz`` turns red naming the device process, which
+    is killed and started again; every other request is answered ok, and ``/healthz`` is green again."""
+    settings = fault_settings(partitions=2)
+    client = client_for(settings).start()
+    try:
+        with supervised(settings, "tests.faults.handlers:DeviceWedge", "--device-hang-s", "3") as (supervisor, port):
+            first = pids(supervisor)["device 0"]
+            load = Load(client, rate=40, count=400).start()
+            time.sleep(1)
+            wedged = client.send({"wedge": True}, key="wedge")
+            health: list[tuple[float, int, dict]] = []
+            sent = time.monotonic()
+            while time.monotonic() - sent < 30:  # until it was red and is green again
+                status, body = _healthz(port)
+                health.append((time.monotonic() - sent, status, body))
+                if status == 200 and any(seen != 200 for _, seen, _ in health):
+                    break
+                time.sleep(0.25)
+            reply = wedged.result(30)
+            wait_until(lambda: len(load.futures) == 400, 30, "the whole load sent (10 s)", supervisor)
+            replies = [future.result(60) for future in load.futures]
+            assert pids(supervisor)["device 0"] != first
+            stop_cleanly(supervisor)
+    finally:
+        client.close()
+    assert reply.error_code == "device_hung" and "--device-hang-s" in reply.json()["error"]["message"]
+    codes = Counter(r.error_code for r in replies if not r.ok)
+    # Only requests that shared the wedged device batch fail, and with device_hung; nothing is lost.
+    assert set(codes) <= {"device_hung"} and sum(codes.values()) < 10, codes
+    assert len(replies) == 400 and health[-1][1] == 200
+    red = [(at, body) for at, status, body in health if status != 200]
+    assert red, "no red /healthz while the device process was hung"
+    assert red[0][0] < 3 + 2, red[0]  # as the hang is detected (3 s after the batch began, and a poll)
+    assert any("device 0" in str(body) for _, body in red), red
+
+
+@pytest.mark.timeout(240)
+def test_a_sigterm_to_the_whole_process_group_drains_as_one_to_the_supervisor(fault_settings):
+    """systemd's ``KillMode=control-group`` signals every process of the unit at once: the device process serves
+    on until the workers have drained, so the stop abandons nothing, and ends as fast as a SIGTERM to the supervisor
+    alone."""
+    settings = fault_settings(partitions=2)
+    client = client_for(settings).start()
+    try:
+        with supervised(settings, "tests.faults.handlers:DeviceEcho", "--handler-options", "delay_s=0.2",
+                        own_group=True) as (supervisor, _port):
+            children = pids(supervisor)
+            futures = [client.send({"seq": seq}, key=str(seq)) for seq in range(300)]
+            wait_until(lambda: sum(future.done() for future in futures) >= 20, 60, "the first answers", supervisor)
+            started = time.monotonic()
+            os.killpg(supervisor.pid, signal.SIGTERM)
+            assert supervisor.wait_exit(40) == 0
+            elapsed = time.monotonic() - started
+    finally:
+        client.close()
+    for pid in children.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not supervisor.said("still in flight"), supervisor.tail(60)
+    assert not supervisor.said("did not stop in time"), supervisor.tail(60)
+    assert elapsed < 20, f"{elapsed:.1f} s"

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from kinference.consumer.accelerator.arena import Arena, ArenaFull
 from kinference.consumer.accelerator.calibration import Calibration, calibrate, worker_cap
-from kinference.consumer.accelerator.device import DeviceBatching, DeviceMetrics, DeviceServer
-from kinference.consumer.accelerator.device_link import DeviceError, DeviceLink, DeviceUnavailable
+from kinference.consumer.accelerator.device_server import DeviceBatching, DeviceMetrics, DeviceServer
+from kinference.consumer.accelerator.worker_link import DeviceError, DeviceLink, DeviceUnavailable
 from kinference.handlers import Handler, HandlerContext
 from kinference.handlers.classification import TextClassificationHandler
 from kinference.handlers.text import TextBatch
@@ -135,7 +135,7 @@ def test_micro_batches_of_several_threads_run_as_one_device_batch_and_come_back_
     results: dict[int, torch.Tensor] = {}
 
     def call(index: int) -> None:
-        results[index] = link.infer("m", 4, torch.full((4, 3), float(index)))
+        results[index] = link.infer("m", torch.full((4, 3), float(index)))
 
     try:
         link.wait_ready()
@@ -158,7 +158,7 @@ def test_a_failing_micro_batch_fails_alone_in_a_merged_batch(tmp_path: Path) -> 
 
     def call(index: int) -> None:
         try:
-            outcomes[index] = link.infer("m", 2, torch.full((2, 1), -1.0 if index == 2 else float(index)))
+            outcomes[index] = link.infer("m", torch.full((2, 1), -1.0 if index == 2 else float(index)))
         except DeviceError as exc:
             outcomes[index] = exc
 
@@ -177,10 +177,10 @@ def test_a_call_is_sent_again_to_a_restarted_device_process_and_fails_only_after
     server = _server(tmp_path, handler)
     link = DeviceLink(server.path, 1 << 20, wait_s=10)
     try:
-        assert link.infer("m", 1, torch.ones(1, 1)).item() == 2
+        assert link.infer("m", torch.ones(1, 1)).item() == 2
         server.stop(5)  # the device process dies: the call below waits for the next one
         answer: list[Any] = []
-        caller = threading.Thread(target=lambda: answer.append(link.infer("m", 1, torch.full((1, 1), 5.0))))
+        caller = threading.Thread(target=lambda: answer.append(link.infer("m", torch.full((1, 1), 5.0))))
         caller.start()
         time.sleep(0.5)
         assert not answer
@@ -192,7 +192,7 @@ def test_a_call_is_sent_again_to_a_restarted_device_process_and_fails_only_after
         server.stop(5)
     impatient = DeviceLink(tmp_path / "nobody.sock", 1 << 20, wait_s=0.3)
     with pytest.raises(DeviceUnavailable, match=r"did not answer for 0\.3 s"):
-        impatient.infer("m", 1, torch.ones(1, 1))
+        impatient.infer("m", torch.ones(1, 1))
     impatient.close()
 
 
@@ -244,3 +244,148 @@ def test_the_plan_puts_a_device_process_where_asked_and_sizes_workers_only_with_
     assert plan_processes(ServiceConfig(handler="echo")) == Plan(devices=0, workers=1)
     with pytest.raises(KinferenceError, match="no model's handler can run in a device process"):
         plan_processes(ServiceConfig(handler="echo", device_process="on"))
+
+
+class _Texts(Handler):
+    """An item is a list of texts, each a row (as an embeddings request with an ``input`` list); a row's output is its
+    text and the device batch's size."""
+
+    device_process = True
+
+    def preprocess(self, items: list[Any]) -> list[str]:
+        return [text for item in items for text in item]
+
+    def merge(self, inputs: list[list[str]]) -> list[str]:
+        return [text for batch in inputs for text in batch]
+
+    def inference(self, inputs: list[str]) -> list[tuple[str, int]]:
+        time.sleep(0.2)  # long enough for the other calls to queue behind the first
+        return [(text, len(inputs)) for text in inputs]
+
+
+def test_rows_are_counted_as_the_handler_makes_them_and_a_merged_batch_splits_by_them(tmp_path: Path) -> None:
+    handler = _Texts()
+    server = _server(tmp_path, handler)
+    link = DeviceLink(server.path, 1 << 20, wait_s=10)
+    items = {index: [[f"{index}.{item}.{text}" for text in range(index + 1)] for item in range(2)]
+             for index in range(4)}
+    results: dict[int, Any] = {}
+
+    def call(index: int) -> None:
+        results[index] = link.infer("m", handler.preprocess(items[index]))
+
+    try:
+        threads = [threading.Thread(target=call, args=(index,)) for index in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert {index: [text for text, _ in rows] for index, rows in results.items()} == {
+            index: handler.preprocess(items[index]) for index in range(4)}
+        assert max(size for rows in results.values() for _, size in rows) > 8  # some were merged
+    finally:
+        link.close()
+        server.stop(5)
+
+
+class _Bulky(Handler):
+    """Each row's output is a string of ``size`` characters: plain data, in the message, not the arena's tensors."""
+
+    device_process = True
+
+    def merge(self, inputs: list[list[int]]) -> list[int]:
+        return [size for batch in inputs for size in batch]
+
+    def inference(self, inputs: list[int]) -> list[str]:
+        return ["x" * size for size in inputs]
+
+
+def test_a_call_and_a_reply_of_megabytes_cross_as_small_ones_do(tmp_path: Path) -> None:
+    server = _server(tmp_path, _Bulky())
+    link = DeviceLink(server.path, 1 << 20, wait_s=10)
+    try:
+        assert link.infer("m", [4 << 20]) == ["x" * (4 << 20)]  # a 4 MiB reply
+        assert link.infer("m", [1] * 300_000) == ["x"] * 300_000  # a call of over a megabyte
+    finally:
+        link.close()
+        server.stop(5)
+
+
+def test_a_hung_device_batch_is_answered_device_hung_and_reported_while_other_batches_run(tmp_path: Path) -> None:
+    from kinference.consumer.accelerator.worker_link import DeviceHung
+    from kinference.protocol import ErrorCode
+
+    gate = threading.Event()
+    handler = _Recorder(gate)
+    server = DeviceServer({"m": handler}, tmp_path / "device.sock", DeviceBatching(64, threads=2, hang_s=0.5),
+                          DeviceMetrics(0, CollectorRegistry())).start()
+    link = DeviceLink(server.path, 1 << 20, wait_s=10)
+    try:
+        started = time.monotonic()
+        with pytest.raises(DeviceHung, match=r"past --device-hang-s \(0\.5 s\)") as hung:
+            link.infer("m", torch.ones(2, 1))
+        assert hung.value.code == ErrorCode.DEVICE_HUNG and 0.5 <= time.monotonic() - started < 3
+        # Reported hung once its calls are answered (the supervisor kills it on seeing that).
+        assert wait_for(lambda: server.hung is not None, timeout_s=5) and server.stalled_s() >= 0.5
+        handler.gate = None  # the other slot still serves
+        assert link.infer("m", torch.ones(1, 1)).item() == 2
+    finally:
+        gate.set()
+        link.close()
+        server.stop(5)
+
+
+def test_a_stopping_device_process_serves_on_until_its_workers_have_gone(tmp_path: Path) -> None:
+    server = _server(tmp_path, _Recorder())
+    link = DeviceLink(server.path, 1 << 20, wait_s=10)
+    try:
+        link.wait_ready()
+        assert not server.drain(0.3)
+        assert link.infer("m", torch.ones(1, 1)).item() == 2  # still served meanwhile
+        threading.Timer(0.3, link.close).start()
+        assert server.drain(10)
+    finally:
+        server.stop(5)
+
+
+def test_a_message_of_the_wrong_shape_is_refused_by_name(tmp_path: Path) -> None:
+    import socket
+
+    from kinference.consumer.accelerator import wire
+
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        wire.send(left, wire.Infer("m", b"x" * (3 * wire.FRAGMENT_BYTES)))  # several packets
+        received = wire.receive_to_device(right)
+        assert received == (wire.Infer("m", b"x" * (3 * wire.FRAGMENT_BYTES)), [])
+        wire.send(left, wire.Ready())  # a worker's message, sent to a worker's side
+        with pytest.raises(wire.WireError, match="wrong shape"):
+            wire.receive_to_device(right)
+    finally:
+        left.close()
+        right.close()
+
+
+def test_the_device_side_imports_neither_the_worker_side_nor_the_path() -> None:
+    import ast
+
+    import kinference.consumer.accelerator as accelerator
+
+    folder = Path(accelerator.__file__).parent
+    for module in ("device_server", "device_engine", "device_process", "wire", "arena", "calibration"):
+        tree = ast.parse((folder / f"{module}.py").read_text())
+        imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert not {name for name in imported if ".worker_" in name or name.startswith("kinference.consumer.path")}, (
+            module, imported)
+
+
+def test_the_hang_limit_is_ten_slowest_calibrated_batches_at_least_30_s_unless_set() -> None:
+    from kinference.consumer.accelerator.device_process import hang_limit
+
+    slow = Calibration(64, 16.0, 100.0, 1, {16: 8.0, 32: 12.0, 64: 16.0})  # the 64-item batch takes 4 s
+    assert slow.slowest_batch_s() == 4.0 and hang_limit("auto", slow) == 40.0
+    fast = Calibration(64, 40_000.0, 100.0, 1, {64: 40_000.0})
+    assert hang_limit("auto", fast) == 30.0
+    assert hang_limit("auto", Calibration(256, 0.0, 0.0, 1, {})) == 30.0  # nothing measured (a generative engine)
+    assert hang_limit(3.0, slow) == 3.0

@@ -4,16 +4,18 @@ restarts (or stays away) ends the link's requests as ``lost`` (or ``error``)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kinference.consumer.accelerator.device import DeviceBatching, DeviceMetrics, DeviceServer
 from kinference.consumer.accelerator.device_engine import DeviceEngine
-from kinference.consumer.accelerator.device_link import DeviceUnavailable
-from kinference.consumer.accelerator.engine_link import FRAGMENT_BYTES, EngineLink
+from kinference.consumer.accelerator.device_server import DeviceBatching, DeviceMetrics, DeviceServer
+from kinference.consumer.accelerator.wire import FRAGMENT_BYTES
+from kinference.consumer.accelerator.worker_engine_link import EngineLink
+from kinference.consumer.accelerator.worker_link import DeviceUnavailable
 from kinference.handlers.generative import Event, Prompt, Sampling
 from tests.fakes import wait_for
 from tests.unit.test_generations import ScriptedEngine
@@ -58,7 +60,7 @@ def test_each_workers_events_come_back_to_it_under_its_own_ids(tmp_path: Path) -
         # Both workers use the same id: the engine sees two requests, one per connection.
         first.submit("r", PROMPT)
         second.submit("r", PROMPT)
-        long = Prompt(tuple(range(3 * FRAGMENT_BYTES // 4)), Sampling(8))  # a pickle of several packets
+        long = Prompt(tuple(range(3 * FRAGMENT_BYTES // 4)), Sampling(8))  # a message of several packets
         second.submit("long", long)
         assert wait_for(lambda: len(engine.submitted) == 3)
         # Each connection's ids under its own prefix (the first connected is 0: it had its "ok" before the second).
@@ -142,4 +144,38 @@ def test_a_link_to_a_model_the_device_process_does_not_generate_waits_then_says_
         with pytest.raises(DeviceUnavailable, match="model other"):
             EngineLink(server.path, "other", wait_s=0.3).connect()
     finally:
+        server.stop(5)
+
+
+class WedgingEngine(ScriptedEngine):
+    """Its ``events`` call never comes back once ``wedge`` is set (a wedged model call), until ``release``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wedge = threading.Event()
+        self.release = threading.Event()
+
+    def events(self, timeout_s: float) -> list[Event]:
+        if self.wedge.is_set():
+            self.release.wait(30)
+        return super().events(timeout_s)
+
+
+def test_an_engine_that_stops_stepping_ends_what_it_holds_and_reports_the_process_hung(tmp_path: Path) -> None:
+    engine = WedgingEngine()
+    server = DeviceServer({}, tmp_path / "d.sock", DeviceBatching(8, hang_s=0.5), DeviceMetrics(0, CollectorRegistry()),
+                          {"lm": DeviceEngine("lm", engine)}).start()
+    link = _link(server.path)
+    try:
+        link.submit("r", PROMPT)
+        assert wait_for(lambda: engine.submitted == ["0/r"])
+        time.sleep(1)  # idle with a request: the pump still comes back every poll
+        assert server.hung is None
+        engine.wedge.set()
+        (failed,) = _collect(link, 1)
+        assert failed.request_id == "r" and failed.kind == "error" and "device_hung" in failed.text
+        assert wait_for(lambda: server.hung is not None) and "has not stepped" in str(server.hung)
+    finally:
+        engine.release.set()
+        link.close()
         server.stop(5)

@@ -12,7 +12,14 @@ from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path import stages
 from kinference.consumer.path.admission import admit
 from kinference.consumer.path.batcher import Batcher
-from kinference.consumer.path.stages import MAX_RESULT_DEPTH, ModelRun, Pipeline, _reply_value, finite
+from kinference.consumer.path.stages import (
+    MAX_RESULT_DEPTH,
+    InProcessInference,
+    ModelRun,
+    Pipeline,
+    _reply_value,
+    finite,
+)
 from kinference.errors import InvalidInput, RequestError
 from kinference.handlers.base import Handler
 from kinference.handlers.echo import EchoHandler
@@ -21,7 +28,7 @@ from tests.fakes import FakeBatches, make_request, wait_for
 
 def run(handler: Handler, **batching) -> ModelRun:
     """The handler as model ``m``, with these batching settings."""
-    return ModelRun("m", handler, Batching(**batching))
+    return ModelRun("m", handler, Batching(**batching), InProcessInference(handler))
 
 
 class SquareHandler(Handler):

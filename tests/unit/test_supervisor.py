@@ -153,3 +153,48 @@ def test_workers_die_with_a_killed_supervisor_and_its_directories_go_at_the_next
     monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     Supervisor(1, lambda report: [sys.executable, "-c", "pass"], grace_s=1).run()
     assert list(temporary.iterdir()) == [live]
+
+
+# A device process that makes no progress on its first start and serves on its second: "hung" reports it (a device
+# batch past its limit), "silent" writes one report and no more (stopped, or stuck holding the GIL).
+_STALLING = """
+import os, pathlib, sys, time
+import orjson
+report, mode, flag = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
+first = not flag.exists()
+flag.touch()
+hung = "a device batch of model 'm' has run 9.0 s, past --device-hang-s (1 s)" if first and mode == "hung" else None
+body = {"pid": os.getpid(), "health": {"progress": hung is None}, "ready": {"model_loaded": True},
+        "problems": [hung] if hung else [], "progress": {"limit_s": 1.0, "stalled_s": 9.0 if hung else 0.0,
+                                                         "hung": hung}}
+while True:
+    open(report + ".tmp", "wb").write(orjson.dumps(body)); os.replace(report + ".tmp", report)
+    time.sleep(3600 if first and mode == "silent" else 0.1)
+"""
+
+
+@pytest.mark.parametrize("mode", ["hung", "silent"])
+def test_a_device_process_that_makes_no_progress_is_killed_and_replaced_and_named_until_then(tmp_path: Path,
+                                                                                          mode: str):
+    def command(member: Member) -> list[str]:
+        return [sys.executable, "-c", _STALLING, str(member.report), mode, str(tmp_path / "started-once")]
+
+    supervisor = Supervisor(0, command, grace_s=5, devices=1, metrics_dir=tmp_path / "metrics",
+                            restarts=Restarts(backoff_s=(0.3, 0.3)))
+    runner = threading.Thread(target=supervisor.run)
+    runner.start()
+    seen: list[dict[str, str]] = []
+    try:
+        def replaced_and_serving() -> bool:
+            seen.append(supervisor.problems())
+            return supervisor.devices[0].restarts == 1 and supervisor.health_checks() == {"device 0": True}
+
+        assert wait_for(replaced_and_serving, timeout_s=15)
+        assert supervisor.devices[0].last_exit == -signal.SIGKILL
+        named = [problems["device 0"] for problems in seen if "device 0" in problems]
+        assert any(why.startswith("replaced: ") for why in named), named
+        assert any(("past --device-hang-s (1 s)" if mode == "hung" else "no report for") in why for why in named)
+        assert not supervisor.problems()
+    finally:
+        supervisor.stop()
+        runner.join(15)

@@ -29,7 +29,7 @@ from kinference.consumer.ops.tracing import (
     request_attributes,
 )
 from kinference.consumer.path.request import RequestDecoder
-from kinference.consumer.path.stages import ModelRun, Pipeline
+from kinference.consumer.path.stages import InProcessInference, ModelRun, Pipeline
 from kinference.consumer.service import Service
 from kinference.errors import ConfigError
 from kinference.handlers.echo import EchoHandler
@@ -165,7 +165,8 @@ def serve(tracing: Tracing, records: list[FakeRecord], micro: int) -> list:
             done.set()
 
     batching = Batching(max_batch_size=len(requests), micro_batch_size=micro)
-    pipeline = Pipeline(ModelRun("m", handler, batching), FakeBatches(next_batch), emit, Metrics(), tracing)
+    run = ModelRun("m", handler, batching, InProcessInference(handler))
+    pipeline = Pipeline(run, FakeBatches(next_batch), emit, Metrics(), tracing)
     pipeline.start()
     try:
         assert done.wait(10)

@@ -1,59 +1,35 @@
 """A worker's link to the generative engine in its device process (``device_engine``): the ``GenerativePort``
 that the worker's ``Generations`` drives when the engine runs in the device process.
 
-One connection per worker and model (a Unix ``SOCK_SEQPACKET`` socket, as ``device_link``'s; no arena: what
-crosses is text). ``submit`` and ``cancel`` each send one small pickle; the device process sends back the events of
-this worker's requests, a decoding step's worth in one message, which ``events`` (the drain thread) reads.
+One connection per worker and model (a Unix ``SOCK_SEQPACKET`` socket, as ``worker_link``'s; no arena: what
+crosses is text). ``submit`` and ``cancel`` each send one message (``wire.Submit``, ``wire.Cancel``); the device
+process sends back the events of this worker's requests, a decoding step's worth in one message (``wire.Events``),
+which ``events`` (the drain thread) reads.
 
 A device process that dies loses what it was generating. The link connects again (the supervisor restarts the
 device process meanwhile) and then reports each request it had handed over as ``lost``: ``Generations`` generates
 it again, under a new attempt, and clients drop the lost attempt's chunks. A request that finds no device process
-for ``wait_s`` fails with ``handler_error``, answered, as a micro-batch does (``device_link``). Either way the
+for ``wait_s`` fails with ``handler_error``, answered, as a micro-batch does (``worker_link``). Either way the
 request was never answered before, so the commit rule is untouched.
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 import select
 import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-from kinference.consumer.accelerator.device_link import DeviceUnavailable
+from kinference.consumer.accelerator import wire
+from kinference.consumer.accelerator.worker_link import DeviceUnavailable
 from kinference.handlers.generative import SERVING, TERMINAL, EngineHealth, Event, Prompt
 
 log = logging.getLogger(__name__)
 
-FRAGMENT_BYTES = 64 << 10
-"""A message longer than this (a long prompt's token ids, a long final text) goes in pieces: a ``SOCK_SEQPACKET``
-message must fit the socket's send buffer."""
-_MORE, _LAST = b"+", b"."
 _RETRY_S = 0.1
 _HELLO_TIMEOUT_S = 10.0
-
-
-def send_message(sock: socket.socket, message: Any) -> None:
-    """``message`` pickled, in as many packets as it takes; the caller holds the socket's send lock."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    for start in range(0, max(len(data), 1), FRAGMENT_BYTES):
-        end = start + FRAGMENT_BYTES
-        sock.sendall((_LAST if end >= len(data) else _MORE) + data[start:end])
-
-
-def recv_message(sock: socket.socket) -> Any:
-    """The next message, or None when the other side closed the connection; ``OSError`` on a broken one."""
-    parts = []
-    while True:
-        packet = sock.recv(FRAGMENT_BYTES + 1)
-        if not packet:
-            return None
-        parts.append(packet[1:])
-        if packet[:1] == _LAST:
-            return pickle.loads(b"".join(parts))  # from this host's own processes: the socket is 0600
 
 
 class EngineLink:
@@ -91,11 +67,11 @@ class EngineLink:
         once one is up, or failed past ``wait_s``)."""
         with self._lock:
             self._handed[request_id] = time.monotonic()
-            self._send(("submit", request_id, prompt))
+            self._send(wire.Submit(request_id, prompt))
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
-            self._send(("cancel", request_id))
+            self._send(wire.Cancel(request_id))
 
     def events(self, timeout_s: float) -> list[Event]:
         sock = self._socket
@@ -105,12 +81,13 @@ class EngineLink:
         try:
             readable, _, _ = select.select([sock], [], [], timeout_s)
             while readable:
-                message = recv_message(sock)
-                if message is None:
-                    raise ConnectionResetError("the device process closed the connection")
-                events += message[0]
-                if message[1] is not None:  # an engine's refusal says nothing of its cache
-                    self._kv_cache_use = message[1]
+                message = wire.receive_to_worker(sock)
+                if not isinstance(message, wire.Events):
+                    raise ConnectionAbortedError("the device process closed the connection" if message is None else
+                                                 f"the device process sent {type(message).__name__} on an engine link")
+                events += message.events
+                if message.kv_cache_use is not None:  # an engine's refusal says nothing of its cache
+                    self._kv_cache_use = message.kv_cache_use
                 readable, _, _ = select.select([sock], [], [], 0)
         except (OSError, ValueError) as exc:  # ValueError: select on a socket closed meanwhile by a failed send
             with self._lock:
@@ -139,12 +116,12 @@ class EngineLink:
 
     # --- a device process that went away
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: wire.Submit | wire.Cancel) -> None:
         sock = self._socket
         if sock is None:
             return  # a submit waits in ``_handed``: reported lost at the next connection; a cancel has no object
         try:
-            send_message(sock, message)
+            wire.send(sock, message)
         except OSError as exc:
             self._drop(sock, exc)
 
@@ -186,12 +163,13 @@ class EngineLink:
         try:
             sock.settimeout(_HELLO_TIMEOUT_S)
             sock.connect(str(self.path))
-            send_message(sock, ("generate", self.model))
-            answer = recv_message(sock)
-            if answer != "ok":
-                raise ConnectionRefusedError(answer or "the device process closed the connection")
+            wire.send(sock, wire.OpenEngine(self.model))
+            answer = wire.receive_to_worker(sock)
+            if not isinstance(answer, wire.Ready):
+                raise ConnectionRefusedError(answer.message if isinstance(answer, wire.Failed)
+                                             else "the device process closed the connection")
             sock.settimeout(None)
-        except OSError:
+        except (OSError, wire.WireError):
             sock.close()
             return None
         return sock
