@@ -369,11 +369,6 @@ class ServiceConfig(BaseModel):
         16, ge=1, description="Generative models: the most requests of one partition generated at once (the engine's "
         "own max_sequences bounds them all); the others wait, in order.",
     )
-    engine_hang_s: float = Field(
-        60.0, gt=0, le=86_400, description="Generative models: an engine that has work and makes no decoding step "
-        "for this long is replaced in its process (its requests fail with handler_error; /healthz names it until "
-        "the new one runs). Above the slowest step (a long prompt's prefill), with a margin.",
-    )
     stream_every_tokens: int = Field(
         8, ge=1, description="Generative models, \"stream\": true: after the first chunk (sent at once), one "
         "chat.completion.chunk record every this many tokens...",
@@ -466,9 +461,12 @@ class ServiceConfig(BaseModel):
         "restarted if it died, and the call is sent again) before that micro-batch fails with handler_error.",
     )
     device_hang_s: Annotated[float, Field(gt=0, le=86_400)] | Literal["auto"] = Field(
-        "auto", description="A device batch running longer than this has hung: its requests fail with device_hung, "
-        "/healthz turns red and the device process is replaced. auto: 10 times the slowest batch of the start-up "
-        "calibration, at least 30 s.",
+        "auto", description="The one progress rule: a device batch running longer than this has hung (its requests "
+        "fail with device_hung, /healthz turns red and the device process is replaced), and so has a generative "
+        "model's engine that holds requests and makes no decoding step for this long (its requests fail with "
+        "handler_error and the engine is replaced in its process, /healthz red until the new one runs). auto: 10 "
+        "times the slowest batch of the start-up calibration, at least 30 s; an engine's, 60 s (above a long "
+        "prompt's prefill).",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_format: Literal["text", "json"] = Field(
@@ -916,6 +914,24 @@ def load_config(
         raise ConfigError(f"invalid configuration: {exc}") from exc
 
 
+HANG_MARGIN = 10.0
+"""``--device-hang-s auto``: this many times the calibration's slowest device batch..."""
+HANG_FLOOR_S = 30.0
+"""...and never less than this, so a short calibration on a quiet device does not make a busy one look hung."""
+ENGINE_HANG_S = 60.0
+"""``--device-hang-s auto`` for a generative engine, which has no calibration: above a long prompt's prefill."""
+
+
+def hang_limit(setting: float | str, slowest_batch_s: float | None = None) -> float:
+    """``--device-hang-s`` in seconds: as set; or (``auto``) derived from the calibration's slowest batch, or, for a
+    generative engine (``slowest_batch_s`` None), ``ENGINE_HANG_S``."""
+    if setting != "auto":
+        return float(setting)
+    if slowest_batch_s is None:
+        return ENGINE_HANG_S
+    return max(HANG_FLOOR_S, HANG_MARGIN * slowest_batch_s)
+
+
 def served_name(settings: ServiceConfig, handler: Handler) -> str:
     """A model's name (set up): in its metrics, its errors, OIP and the device process's calls. Here, where both the
     workers (``path.models``) and the device process (``accelerator.device_process``) read it."""
@@ -963,8 +979,3 @@ def describe_errors(exc: ValidationError) -> str:
         where = f"{field} (--{str(loc[0]).replace('_', '-')}, {ENV_PREFIX}{str(loc[0]).upper()})" if loc else field
         lines.append(f"  {where}: {error['msg']}")
     return "\n".join(lines)
-
-
-def served_name(settings: ServiceConfig, handler: Handler) -> str:
-    """A model's name (set up): in its metrics, its errors, OIP and the device process's calls."""
-    return settings.model_name or handler.describe().get("model") or settings.handler

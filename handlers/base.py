@@ -85,7 +85,7 @@ class HandlerContext:
     role: Role = "process"
     """``process``, or the side of a handler split across a worker (``host``) and a device process (``device``)."""
     hang_s: float | None = None
-    """How long an engine that has work may make no progress before it is replaced (``--engine-hang-s``), for the
+    """How long an engine that has work may make no progress before it is replaced (``--device-hang-s``), for the
     handlers that run one (``generate``); None: never."""
 
 

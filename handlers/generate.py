@@ -33,7 +33,7 @@ Options (``--handler-options key=value``):
 tokens: the engine's step crashes on an empty one), and a prompt or ``max_tokens`` past the context or the KV cache.
 
 The engine is supervised here, by the thread that drains its events (``events``): an engine whose loop thread died
-(a step raised) or that made no step for ``hang_s`` (``--engine-hang-s``) while it had work is replaced by a new one
+(a step raised) or that made no step for ``hang_s`` (``--device-hang-s``) while it had work is replaced by a new one
 on the same weights. The requests it held end with ``error`` (the service answers them ``handler_error``); those
 submitted while it is replaced wait and go to the new one; ``health`` is red, naming the fault, until the new one
 runs. A hung step's thread cannot be stopped: it is left behind (a daemon thread, so it cannot hold the process at
@@ -299,7 +299,7 @@ class GenerateHandler(GenerativeHandler):
         if not engine.alive:
             return f"its loop ended: {engine.error}" if engine.error else "its loop ended"
         if self._hang_s is not None and now - self._progress[1] > self._hang_s:
-            return f"no decoding step for {now - self._progress[1]:.1f} s (--engine-hang-s {self._hang_s:g})"
+            return f"no decoding step for {now - self._progress[1]:.1f} s (--device-hang-s {self._hang_s:g})"
         return None
 
     def _replace(self, old: _Engine, fault: str) -> list[Event]:

@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY
 from kinference.consumer.accelerator.calibration import Calibration, calibrate
 from kinference.consumer.accelerator.device_engine import DeviceEngine
 from kinference.consumer.accelerator.device_server import DeviceBatching, DeviceMetrics, DeviceServer
-from kinference.consumer.config import ServiceConfig, served_name
+from kinference.consumer.config import ServiceConfig, hang_limit, served_name
 from kinference.errors import ConfigError
 from kinference.handlers import Handler, HandlerContext, load_handler
 from kinference.handlers.generative import GenerativeHandler
@@ -35,19 +35,6 @@ log = logging.getLogger(__name__)
 DEFAULT_DEVICE_BATCH_SIZE = 256
 """``--device-batch-size auto`` without a calibration (a handler with no calibration payloads): the largest
 batch the calibration would try."""
-HANG_MARGIN = 10.0
-"""``--device-hang-s auto``: this many times the slowest batch of the calibration..."""
-HANG_FLOOR_S = 30.0
-"""... and never less (a first batch of a new shape compiles; a busy host's batch runs slower than calibrated)."""
-
-
-def hang_limit(setting: float | str, calibration: Calibration) -> float:
-    """``--device-hang-s`` in seconds: as set, or (``auto``) derived from the calibration."""
-    if setting != "auto":
-        return float(setting)
-    return max(HANG_FLOOR_S, HANG_MARGIN * calibration.slowest_batch_s())
-
-
 def socket_path(host_dir: Path, index: int) -> Path:
     return host_dir / f"device-{index}.sock"
 
@@ -95,7 +82,7 @@ class DeviceProcess:
             raise ConfigError("no model of this service can run in a device process: use --device-process off")
         calibration = self._calibrate()
         batching = DeviceBatching(calibration.batch_size, threads=self._config.device_threads,
-                                  hang_s=hang_limit(self._config.device_hang_s, calibration))
+                                  hang_s=hang_limit(self._config.device_hang_s, calibration.slowest_batch_s()))
         self._server = DeviceServer(self._handlers, socket_path(self._host_dir, self._index), batching,
                                     DeviceMetrics(self._index, REGISTRY), self._engines, on_hung).start()
         self._ready.set()
@@ -114,7 +101,7 @@ class DeviceProcess:
             handler.setup(HandlerContext(device=self._device, model=settings.model,
                                          options=dict(settings.handler_options), max_batch_size=self._max_rows,
                                          registry=REGISTRY, host_dir=self._host_dir, role="device",
-                                         hang_s=settings.engine_hang_s))
+                                         hang_s=hang_limit(settings.device_hang_s)))
             loaded.append((served_name(settings, handler), handler))
         return loaded
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from kinference.consumer.accelerator.worker_engine_link import EngineLink
 from kinference.consumer.accelerator.worker_link import DeviceInference
-from kinference.consumer.config import Batching, ServiceConfig, served_name
+from kinference.consumer.config import Batching, ServiceConfig, hang_limit, served_name
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.admission import admit
@@ -118,7 +118,7 @@ class Models:
                                          options=dict(settings.handler_options),
                                          max_batch_size=batching.micro_batch_size or batching.max_batch_size,
                                          registry=metrics.registry, host_dir=host_dir, role=role,
-                                         hang_s=settings.engine_hang_s))
+                                         hang_s=hang_limit(settings.device_hang_s)))
 
     def build(self, publisher: Publisher, metrics: Metrics, tracing: Tracing | None) -> Router:
         """Each model's route, batcher and stage threads (not started); returns the router over their routes. The

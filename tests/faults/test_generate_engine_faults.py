@@ -12,7 +12,7 @@ request at a time generates, so a request can be made to wait for the engine's p
 - a step that raises fails the request it held (``handler_error``), the engine is replaced, ``/healthz`` is red
   and names it until the new one runs, and the requests sent meanwhile are served;
 - a request whose deadline passes while it waits behind a hung step is answered ``deadline_exceeded`` at its
-  deadline; the hung engine is replaced after ``--engine-hang-s``, its request fails, and the next are served;
+  deadline; the hung engine is replaced after ``--device-hang-s``, its request fails, and the next are served;
 - the service never exits meanwhile, and stops cleanly (exit 0) at the end.
 """
 
@@ -75,7 +75,7 @@ def test_bad_prompts_a_dead_or_hung_engine_and_a_waiting_deadline(fault_settings
     args = [arg for arg in settings.args() if arg != "--no-metrics"]
     args[args.index("--handler") + 1] = "tests.faults.generate_handlers:FaultyGenerate"
     args += ["--model", str(model), "--metrics-host", "127.0.0.1", "--metrics-port", str(port),
-             "--engine-hang-s", str(HANG_S), "--device-process", device_process,
+             "--device-hang-s", str(HANG_S), "--device-process", device_process,
              *[arg for option in OPTIONS for arg in ("--handler-options", option)]]
     if device_process == "on":
         args += ["--workers", "1"]

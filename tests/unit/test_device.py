@@ -380,12 +380,13 @@ def test_the_device_side_imports_neither_the_worker_side_nor_the_path() -> None:
             module, imported)
 
 
-def test_the_hang_limit_is_ten_slowest_calibrated_batches_at_least_30_s_unless_set() -> None:
-    from kinference.consumer.accelerator.device_process import hang_limit
+def test_the_hang_limit_is_ten_slowest_calibrated_batches_at_least_30_s_an_engine_60_s_unless_set() -> None:
+    from kinference.consumer.config import hang_limit
 
     slow = Calibration(64, 16.0, 100.0, 1, {16: 8.0, 32: 12.0, 64: 16.0})  # the 64-item batch takes 4 s
-    assert slow.slowest_batch_s() == 4.0 and hang_limit("auto", slow) == 40.0
+    assert slow.slowest_batch_s() == 4.0 and hang_limit("auto", slow.slowest_batch_s()) == 40.0
     fast = Calibration(64, 40_000.0, 100.0, 1, {64: 40_000.0})
-    assert hang_limit("auto", fast) == 30.0
-    assert hang_limit("auto", Calibration(256, 0.0, 0.0, 1, {})) == 30.0  # nothing measured (a generative engine)
-    assert hang_limit(3.0, slow) == 3.0
+    assert hang_limit("auto", fast.slowest_batch_s()) == 30.0
+    assert hang_limit("auto", Calibration(256, 0.0, 0.0, 1, {}).slowest_batch_s()) == 30.0  # nothing measured
+    assert hang_limit("auto") == 60.0  # a generative engine: no calibration
+    assert hang_limit(3.0, slow.slowest_batch_s()) == 3.0 and hang_limit(3.0) == 3.0
