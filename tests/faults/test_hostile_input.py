@@ -129,9 +129,7 @@ def latencies_ms(replies: dict[str, object], sent: dict[str, int], names: list[s
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("path", ["in-process", pytest.param("device-process", marks=pytest.mark.xfail(
-    strict=True, reason="issue 36: the wide JSON values' call is past the device link's message limit (~213 KB) and "
-    "waits --device-wait-s (120 s), holding the partition's answers behind it; the device link's fix closes it"))])
+@pytest.mark.parametrize("path", ["in-process", "device-process"])
 def test_a_hostile_run_never_stops_the_service_and_the_valid_requests_behind_it_are_answered_on_time(
         fault_settings, broker, path):
     settings = fault_settings(partitions=1, extra=(
