@@ -5,7 +5,7 @@ the service's RSS from 61 MB to 2,188 MB (~14 MB each decoded), and the default 
 ~35 GB. So each request is charged what its value holds once decoded (``Request.held_bytes``, estimated from its
 bytes by the decoder) from the poll thread's decode until the publisher takes its answer: then its payload and
 item are let go, and what remains of it (the raw value, the reply) is bounded by the count. Flow control pauses
-the partitions at ``max_in_flight_bytes`` and resumes them at half, and the poll thread takes fewer records per
+the partitions once one more record would carry the budget past ``max_in_flight_bytes`` (``full``) and resumes them at half, and the poll thread takes fewer records per
 poll as the budget fills (``records_allowed``), so that one poll cannot overshoot it many times over.
 
 Threads: the poll thread charges (and releases what a revoke discards), the publisher thread releases.
@@ -62,6 +62,13 @@ class ByteBudget:
         if released:
             with self._lock:
                 self._held -= released
+
+    def full(self) -> bool:
+        """No room for one more record of the size seen (the moving mean): flow control pauses here, before the
+        next poll takes one that would carry the budget past its bound. Never while nothing is held, so that a
+        request larger than the whole budget is still served, alone."""
+        held = self._held
+        return held > 0 and held + self._mean > self.max_bytes
 
     def records_allowed(self, most: int) -> int:
         """How many records the next poll may take: ``most``, fewer as the budget fills (at the bytes per record seen

@@ -35,7 +35,7 @@ class FlowControl:
         self._metrics.in_flight.set(in_flight)
         held = self._budget.held
         self._metrics.in_flight_bytes.set(held)
-        if not self.paused and (self.draining or in_flight >= self._max or held >= self._budget.max_bytes):
+        if not self.paused and (self.draining or in_flight >= self._max or self._budget.full()):
             assignment = consumer.assignment()
             consumer.pause(assignment)
             self.paused = True

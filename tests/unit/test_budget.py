@@ -105,3 +105,23 @@ def test_partitions_pause_on_bytes_below_the_count_and_resume_at_half():
     budget.release(requests[1:2])
     flow.update(consumer, in_flight=1)
     assert not flow.paused and consumer.resumed == 1
+
+
+def test_partitions_pause_before_a_record_of_the_size_seen_would_carry_the_bytes_past_the_budget():
+    """Issue 36: large Schema Registry records, one a poll, each took the service past its budget by one record; the
+    pause comes while one more would not fit, and never while nothing is held (a record larger than the whole
+    budget is still served, alone)."""
+    requests = [DECODER.decode(FakeRecord(strings_value(959_000))) for _ in range(2)]
+    budget = ByteBudget(max_bytes=int(1.5 * requests[0].held_bytes))
+    flow = FlowControl(max_in_flight=2048, resume_in_flight=1024, metrics=Metrics(), budget=budget)
+    consumer = Consumer()
+    assert not budget.full()
+    budget.charge(requests[:1])  # 1 of 1.5 records' worth held: the next would pass the bound
+    assert budget.full()
+    flow.update(consumer, in_flight=1)
+    assert flow.paused and consumer.paused == 1
+    budget.release(requests[:1])
+    flow.update(consumer, in_flight=0)
+    assert not flow.paused and not budget.full()
+    alone = ByteBudget(max_bytes=requests[1].held_bytes // 2)
+    assert not alone.full() and alone.records_allowed(500) == 1  # larger than the whole budget: still taken alone
