@@ -23,10 +23,11 @@ import tokenizers
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from kinference.errors import HandlerLoadError, InvalidInput
+from kinference.errors import HandlerLoadError, InputTooLong, InvalidInput
 from kinference.handlers.accelerate import Accelerator, CudaGraphs, agreement
 from kinference.handlers.base import Handler, HandlerContext
-from kinference.handlers.options import one_of, positive_int, with_defaults
+from kinference.handlers.corpus import PROFILES, builtin_corpus
+from kinference.handlers.options import boolean, one_of, positive_int, with_defaults
 from kinference.handlers.runtime import forward_for
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,15 @@ log = logging.getLogger(__name__)
 AGREEMENT = 0.999
 """``dtype=auto``: the lowest cosine to float32, over a warm-up batch, at which reduced-precision weights serve."""
 
-CALIBRATION_CORPORA = ("short", "mixed")
-"""The built-in corpora (loadgen/corpus.py) a device process can calibrate on: search queries, or mixed lengths."""
+CALIBRATION_CORPORA = tuple(PROFILES)
+"""The built-in corpora (handlers/corpus.py) a device process can calibrate on: search queries, or mixed lengths."""
+
+POOLING_MASK = "pooling_mask"
+"""A batch tensor that is no model input: the attention mask without each row's prompt, for a model whose pooling
+leaves the prompt out (sentence-transformers' ``include_prompt: false``)."""
+
+UNBOUNDED = 1_000_000
+"""A tokenizer's ``model_max_length`` at or past this is transformers' "no limit" (it writes 1e30)."""
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -118,12 +126,14 @@ def _json_type(value: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class TextItem:
-    """A validated request: its text and its token ids, special tokens included, truncated to ``max_length``."""
+    """A validated text: its token ids, special tokens included, at most ``max_length`` of them."""
 
     text: str
     input_ids: list[int]
     token_type_ids: list[int] | None
     """Only for models that take them (``token_type_ids`` in the tokenizer's ``model_input_names``)."""
+    prompt_tokens: int = 0
+    """The leading tokens (special ones included) that are the request's prompt, where pooling leaves them out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,16 +146,25 @@ class TextBatch:
     real_tokens: int
 
 
-def encoder(tokenizer: PreTrainedTokenizerBase, max_length: int) -> tokenizers.Tokenizer:
+def encoder(tokenizer: PreTrainedTokenizerBase, max_length: int | None,
+            lowercase: bool = False) -> tokenizers.Tokenizer:
     """A copy of the tokenizer's Rust backend that encodes one text as ``tokenizer(text, truncation=True,
-    max_length=max_length)`` does, without the Python layer around it.
+    max_length=max_length)`` does (``None``: as ``tokenizer(text)`` does, uncut), without the Python layer around it.
+    ``lowercase``: lower-case the text first, as sentence-transformers' ``do_lower_case`` does.
 
     A copy, because the transformers tokenizer writes its truncation settings into its backend when they
     differ from the call's, and a backend changed while another thread encodes with it raises "Already
     borrowed" (huggingface/tokenizers#537). This copy is set once, here, and then only read.
     """
     backend: tokenizers.Tokenizer = copy.deepcopy(tokenizer.backend_tokenizer)
-    backend.enable_truncation(max_length, stride=0, strategy="longest_first", direction=tokenizer.truncation_side)
+    if max_length is None:
+        backend.no_truncation()
+    else:
+        backend.enable_truncation(max_length, stride=0, strategy="longest_first", direction=tokenizer.truncation_side)
+    if lowercase:
+        normalizer = backend.normalizer
+        steps = [tokenizers.normalizers.Lowercase(), *([] if normalizer is None else [normalizer])]
+        backend.normalizer = tokenizers.normalizers.Sequence(steps)
     backend.no_padding()  # tokenizer.json may ask for fixed-length padding: collation pads instead
     backend.encode_special_tokens = tokenizer.split_special_tokens
     return backend
@@ -154,12 +173,13 @@ def encoder(tokenizer: PreTrainedTokenizerBase, max_length: int) -> tokenizers.T
 class TextHandler(Handler):
     """Base of the handlers that run a transformers model on ``{"text": str}`` requests.
 
-    Options (``--handler-options key=value``): ``max_length`` (tokens kept per text, default 256),
-    ``max_chars`` (longer requests are rejected, default 20000), ``dtype`` (auto, float32, float16 or bfloat16;
-    auto: float16 or bfloat16 weights on CUDA where a warm-up batch agrees with float32, float32 elsewhere),
-    and, described in handlers/accelerate.py, ``amp`` (none, float16 or bfloat16; default none), ``compile``
-    (default false), ``compile_backend`` (default inductor), ``cuda_graphs`` (default auto: on with CUDA) and
-    ``shape_buckets`` (default: on when compiling or capturing CUDA graphs);
+    Options (``--handler-options key=value``): ``max_length`` (the most tokens of a text, special tokens included,
+    default 256), ``truncate`` (default true: a longer text is cut to ``max_length``; false: refused with
+    ``input_too_long``), ``max_chars`` (longer requests are rejected, default 20000), ``dtype`` (auto, float32,
+    float16 or bfloat16; auto: float16 or bfloat16 weights on CUDA where a warm-up batch agrees with float32,
+    float32 elsewhere), and, described in handlers/accelerate.py, ``amp`` (none, float16 or bfloat16; default
+    none), ``compile`` (default false), ``compile_backend`` (default inductor), ``cuda_graphs`` (default auto: on with
+    CUDA) and ``shape_buckets`` (default: on when compiling or capturing CUDA graphs);
     in handlers/runtime.py, ``runtime`` (torch or onnxruntime) and ``quantize`` (none or int8);
     ``calibration_corpus`` (short or mixed, default short: the lengths a device process calibrates on, see
     docs/configuration.md); plus each subclass's own ``defaults``.
@@ -182,13 +202,20 @@ class TextHandler(Handler):
         "runtime": "torch",
         "quantize": "none",
         "calibration_corpus": "short",
+        "truncate": True,
     }
     """Every option the handler knows, with its default; anything else is a typo and fails setup."""
+
+    lowercase = False
+    """Whether texts are lower-cased before tokenising (a subclass sets it in ``read_model_dir``)."""
+
+    pooling_mask = False
+    """Whether batches carry ``POOLING_MASK`` (a subclass sets it in ``read_model_dir``)."""
 
     def setup(self, context: HandlerContext) -> None:
         options = with_defaults(self.name, self.defaults, context.options)
         self.max_chars = positive_int(self.name, "max_chars", options["max_chars"])
-        self.max_length = positive_int(self.name, "max_length", options["max_length"])
+        self.truncate = boolean(self.name, "truncate", options["truncate"])
         self.calibration_corpus = one_of(self.name, "calibration_corpus", options["calibration_corpus"],
                                          CALIBRATION_CORPORA)
         dtype_name = one_of(self.name, "dtype", options["dtype"], ("auto", *DTYPES))
@@ -196,17 +223,16 @@ class TextHandler(Handler):
             self.model_name, model_dir = self.default_model()
         else:
             self.model_name, model_dir = context.model.resolve().name, context.model
+        model_dir = self.read_model_dir(model_dir, options)
         check_model_dir(self.name, model_dir)
         self.tokenizer = _load_tokenizer(self.name, model_dir)
         self.config = _loaded(self.name, model_dir, lambda: AutoConfig.from_pretrained(model_dir,
                                                                                        local_files_only=True))
-        positions = getattr(self.config, "max_position_embeddings", None)
-        if positions is not None and self.max_length > positions:
-            raise HandlerLoadError(
-                f"{self.name}: max_length={self.max_length} is more than the {positions} positions of the model"
-            )
-        self._encoder = encoder(self.tokenizer, self.max_length)
+        self.max_length = self._max_length(options["max_length"])
+        self._encoder = encoder(self.tokenizer, self.max_length, self.lowercase)
+        self._counter = encoder(self.tokenizer, None, self.lowercase)
         self._token_types = "token_type_ids" in self.tokenizer.model_input_names
+        self._left = self.tokenizer.padding_side == "left"
         self._onnx = None
         if context.role == "host":
             # A worker beside a device process: tokenise, collate on the host, write replies; no weights, and the
@@ -233,25 +259,47 @@ class TextHandler(Handler):
         """Name and directory of the model used without ``--model``."""
         raise HandlerLoadError(f"{self.name} needs --model <local dir>")
 
+    def read_model_dir(self, model_dir: Path, options: dict[str, Any]) -> Path:
+        """Read what the directory says beyond the transformers model, before anything is loaded; return the
+        directory of the transformers model (config.json, weights, tokenizer)."""
+        return model_dir
+
+    def natural_max_length(self) -> int:
+        """The ``max_length`` without the option: the tokenizer is loaded by then."""
+        return int(self.defaults["max_length"])
+
+    def _max_length(self, option: Any) -> int:
+        max_length = self.natural_max_length() if option is None else positive_int(self.name, "max_length", option)
+        positions = getattr(self.config, "max_position_embeddings", None)
+        if positions is not None and max_length > positions:
+            raise HandlerLoadError(f"{self.name}: max_length={max_length} is more than the {positions} positions of "
+                                   "the model")
+        if max_length >= UNBOUNDED:
+            raise HandlerLoadError(f"{self.name}: neither the model nor its tokenizer gives a token limit: set the "
+                                   "handler option max_length")
+        return max_length
+
     def configure(self, options: dict[str, Any]) -> None:
         """Read the subclass's own options; the model is loaded by then."""
 
     def _export_example(self) -> dict[str, torch.Tensor]:
         """A batch for the ONNX exporter to trace: two rows, 16 tokens (no size 1, which tracing could fix)."""
-        item = self._item("an example", self._encoder.encode("an example"))
-        return self._collate([item, item], 2, 16).tensors
+        item = self._cut("an example")
+        return self._model_inputs(self._collate([item, item], 2, 16).tensors)
 
     def _reduced_precision(self, model: Any) -> tuple[Any, torch.dtype]:
         """``dtype=auto`` on CUDA: float16 weights, or else bfloat16, where a warm-up batch's results agree with
         float32 (cosine >= ``AGREEMENT`` for every row); float32 where neither does. Half the memory and bandwidth,
         and tensor cores."""
+        texts = [payload["text"] for payload in builtin_corpus(self.calibration_corpus, 16)]
         batch = self.accelerator.to_device(self._collate(
-            self.validate_many(self.calibration_payloads(16)), 16, min(64, self.max_length)).tensors)
+            [self._cut(text) for text in texts], 16, min(64, self.max_length)).tensors)
+        inputs = self._model_inputs(batch)
         with torch.inference_mode():
-            reference = self.reduce(model(**batch), batch)
+            reference = self.reduce(model(**inputs), batch)
             for candidate in (torch.float16, torch.bfloat16):
                 reduced = copy.deepcopy(model).to(candidate)
-                worst = agreement(reference, self.reduce(reduced(**batch), batch))
+                worst = agreement(reference, self.reduce(reduced(**inputs), batch))
                 if worst >= AGREEMENT:
                     log.info("%s: %s weights (the warm-up batch agrees with float32: cosine >= %.5f)", self.name,
                              str(candidate).removeprefix("torch."), worst)
@@ -263,15 +311,14 @@ class TextHandler(Handler):
         """The model, in eval mode on the handler's device (the tokenizer is loaded by then)."""
         return self.model_class.from_pretrained(model_dir, local_files_only=True, dtype=dtype).eval().to(self.device)
 
-    def validate(self, payload: Any) -> TextItem:
-        text = validate_text(payload, self.max_chars)
-        return self._item(text, self._encoder.encode(text))
+    def validate(self, payload: Any) -> Any:
+        (item,) = self.validate_many([payload])
+        if isinstance(item, InvalidInput):
+            raise item
+        return item
 
     def validate_many(self, payloads: list[Any]) -> list[Any]:
-        """All the texts of a poll in one ``encode_batch_fast``: the Rust tokenizer works on them in parallel,
-        without the GIL, instead of one Python call each in the poll thread. The fast variant leaves out the
-        character offsets of each token, which nothing here reads; the ids are the same. Tokenising is the largest
-        cost of a short text's host path, and the offsets were about a fifth of it (issue 27)."""
+        """The ``{"text": ...}`` requests of a poll, tokenised together (``tokenize``)."""
         results: list[Any] = []
         texts, slots = [], []
         for payload in payloads:
@@ -282,12 +329,38 @@ class TextHandler(Handler):
             else:
                 slots.append(len(results))
                 results.append(None)
-        for slot, text, encoding in zip(slots, texts, self._encoder.encode_batch_fast(texts), strict=True):
-            results[slot] = self._item(text, encoding)
+        for slot, item in zip(slots, self.tokenize(texts, self.truncate), strict=True):
+            results[slot] = item
         return results
+
+    def tokenize(self, texts: Sequence[str], truncate: bool | Sequence[bool]) -> list[TextItem | InputTooLong]:
+        """Each text's item, or ``InputTooLong`` for a text past ``max_length`` that may not be cut (``truncate``:
+        for all, or per text). A cut text is cut as ``tokenizer(text, truncation=True, max_length=...)`` cuts it.
+
+        All in one ``encode_batch_fast``: the Rust tokenizer works on them in parallel, without the GIL, instead of
+        one Python call each in the poll thread. The fast variant leaves out the character offsets of each token,
+        which nothing here reads; the ids are the same. Tokenising is the largest cost of a short text's host path,
+        and the offsets were about a fifth of it (issue 27). Texts are tokenised uncut, to count them (a cut text
+        is tokenised again, cut)."""
+        items: list[TextItem | InputTooLong] = []
+        limit = self.max_length
+        for index, (text, encoding) in enumerate(zip(texts, self._counter.encode_batch_fast(texts), strict=True)):
+            count = len(encoding.ids)
+            if count <= limit:
+                items.append(self._item(text, encoding))
+            elif truncate if isinstance(truncate, bool) else truncate[index]:
+                items.append(self._cut(text))
+            else:
+                items.append(InputTooLong(f"the text has {count} tokens, more than the limit of {limit} (max_length, "
+                                          'special tokens included); send "truncate": true to cut it'))
+        return items
 
     def _item(self, text: str, encoding: tokenizers.Encoding) -> TextItem:
         return TextItem(text, encoding.ids, encoding.type_ids if self._token_types else None)
+
+    def _cut(self, text: str) -> TextItem:
+        """``text``'s item, cut to ``max_length``."""
+        return self._item(text, self._encoder.encode(text))
 
     def cost(self, item: TextItem) -> int:
         return len(item.input_ids)
@@ -299,16 +372,21 @@ class TextHandler(Handler):
         return self._collate(items, rows, length)
 
     def _collate(self, items: Sequence[TextItem], rows: int, length: int) -> TextBatch:
-        """Right-pad ``items`` into ``rows`` x ``length`` tensors; rows past the items are all padding."""
+        """Pad ``items`` into ``rows`` x ``length`` tensors, on the tokenizer's padding side (a decoder's is often the
+        left); rows past the items are all padding."""
         # Filled in numpy, then one torch.from_numpy per tensor: about 5 us an item, against 40 for torch rows.
         arrays = {name: np.full((rows, length), pad, dtype=np.int64) for name, pad in self._pads().items()}
         input_ids, attention_mask = arrays["input_ids"], arrays["attention_mask"]
+        pooling_mask = arrays.get(POOLING_MASK)
         for row, item in enumerate(items):
             size = len(item.input_ids)
-            input_ids[row, :size] = item.input_ids
-            attention_mask[row, :size] = 1
+            start = length - size if self._left else 0
+            input_ids[row, start : start + size] = item.input_ids
+            attention_mask[row, start : start + size] = 1
             if item.token_type_ids is not None:
-                arrays["token_type_ids"][row, :size] = item.token_type_ids
+                arrays["token_type_ids"][row, start : start + size] = item.token_type_ids
+            if pooling_mask is not None:
+                pooling_mask[row, start + item.prompt_tokens : start + size] = 1
         tensors = {name: self.accelerator.host(torch.from_numpy(array)) for name, array in arrays.items()}
         return TextBatch(tensors, real_rows=len(items), real_tokens=sum(len(item.input_ids) for item in items))
 
@@ -317,7 +395,15 @@ class TextHandler(Handler):
         pads = {"input_ids": self.tokenizer.pad_token_id, "attention_mask": 0}
         if self._token_types:
             pads["token_type_ids"] = self.tokenizer.pad_token_type_id
+        if self.pooling_mask:
+            pads[POOLING_MASK] = 0
         return pads
+
+    def _model_inputs(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors of a batch that the model takes."""
+        if not self.pooling_mask:
+            return tensors
+        return {name: tensor for name, tensor in tensors.items() if name != POOLING_MASK}
 
     def merge(self, inputs: list[TextBatch]) -> TextBatch:
         """The device process's batch: the real rows of every micro-batch, in order, padded to the longest and (with
@@ -331,19 +417,18 @@ class TextHandler(Handler):
         for batch in inputs:
             count = batch.real_rows
             for name, tensor in batch.tensors.items():
-                merged[name][row : row + count, : tensor.shape[1]] = tensor[:count]
+                columns = slice(shape[1] - tensor.shape[1], None) if self._left else slice(0, tensor.shape[1])
+                merged[name][row : row + count, columns] = tensor[:count]
             row += count
         tensors = {name: self.accelerator.host(tensor) for name, tensor in merged.items()}
         return TextBatch(tensors, real_rows=rows, real_tokens=sum(batch.real_tokens for batch in inputs))
 
-    def calibration_payloads(self, count: int) -> list[dict[str, str]]:
-        from kinference.loadgen.corpus import builtin_corpus
-
+    def calibration_payloads(self, count: int) -> list[dict[str, Any]]:
         return builtin_corpus(self.calibration_corpus, count)
 
     def warm_up(self) -> None:
         """Run one tiny batch; with shape buckets, one batch of every bucket shape (this compiles them all)."""
-        item = self.validate({"text": "warm up"})
+        item = self._cut("warm up")
         buckets = self.accelerator.buckets
         for rows, length in [(1, len(item.input_ids))] if buckets is None else buckets.all():
             self.inference(self._collate([item], rows, length))
@@ -358,7 +443,7 @@ class TextHandler(Handler):
         accelerator = self.accelerator
         with accelerator.stream(), torch.inference_mode(), accelerator.autocast():
             tensors = accelerator.to_device(inputs.tensors)
-            rows = self.reduce(self._forward(**tensors), tensors)[: inputs.real_rows]
+            rows = self.reduce(self._forward(**self._model_inputs(tensors)), tensors)[: inputs.real_rows]
             # A blocking copy, issued on this thread's stream: it returns once that stream has finished the
             # batch, so postprocess reads final values.
             return rows.float().cpu()
@@ -366,7 +451,8 @@ class TextHandler(Handler):
     @abstractmethod
     def reduce(self, output: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Turn the model output into one row per batch row (still on the device). Padding rows have an
-        all-zero ``attention_mask``; they are sliced off afterwards, but must not raise."""
+        all-zero ``attention_mask``; they are sliced off afterwards, but must not raise. ``inputs`` holds the model's
+        inputs and, where the handler asks for it, ``POOLING_MASK``."""
 
     def describe(self) -> dict[str, str]:
         labels = {"handler": self.name, "model": self.model_name, "device": self._placement}
