@@ -168,10 +168,11 @@ def build_tiny_causal_lm(path: Path, *, chat_template: str | None = CHAT_TEMPLAT
     return path
 
 
-ST_LAYOUTS = ("cls", "lasttoken", "dense", "max", "weightedmean", "mean_sqrt_len_tokens", "instructor", "concat")
+ST_LAYOUTS = ("cls", "lasttoken", "lasttoken-right", "dense", "max", "weightedmean", "mean_sqrt_len_tokens", "instructor", "concat")
 """The sentence-transformers layouts ``build_st_model`` saves, each standing for a family of models:
 ``cls`` (BERT + CLS pooling + Normalize: bge, gte-base), ``lasttoken`` (a decoder, left padding, last-token pooling,
-an instruction prompt for queries, Normalize: Qwen3-Embedding, gte-Qwen2, e5-mistral), ``dense`` (BERT + mean + Dense
+an instruction prompt for queries, Normalize: Qwen3-Embedding, gte-Qwen2, e5-mistral), ``lasttoken-right`` (the same,
+padded on the right), ``dense`` (BERT + mean + Dense
 64->32 Tanh + Normalize, e5-style prompts with a default: LaBSE, sentence-t5), ``max``, ``weightedmean`` (no
 Normalize), ``mean_sqrt_len_tokens``, ``instructor`` (mean pooling that leaves the prompt out: INSTRUCTOR) and
 ``concat`` (cls and mean concatenated, written in the pre-6 config keys, with ``sentence_bert_config.json``'s
@@ -187,10 +188,12 @@ def build_st_model(path: Path, layout: str, *, max_seq_length: int = 128, seed: 
     from sentence_transformers.sentence_transformer import modules as st
 
     base = path.parent / f"{path.name}-transformer"
-    _build_st_backbone(base, decoder=layout == "lasttoken", seed=seed)
+    _build_st_backbone(base, decoder=layout.startswith("lasttoken"), seed=seed)
+    if layout == "lasttoken-right":
+        _pad_right(base)
     transformer = st.Transformer(str(base), max_seq_length=max_seq_length)
     width = transformer.get_embedding_dimension()
-    pooling = {"dense": "mean", "instructor": "mean", "concat": ("cls", "mean")}.get(layout, layout)
+    pooling = {"lasttoken-right": "lasttoken", "dense": "mean", "instructor": "mean", "concat": ("cls", "mean")}.get(layout, layout)
     modules: list[torch.nn.Module] = [
         transformer, st.Pooling(width, pooling_mode=pooling, include_prompt=layout != "instructor")]
     if layout == "dense":
@@ -201,6 +204,7 @@ def build_st_model(path: Path, layout: str, *, max_seq_length: int = 128, seed: 
         modules.append(st.Normalize())
     prompts, default = {
         "lasttoken": ({"query": ST_QUERY_PROMPT, "document": ""}, None),
+        "lasttoken-right": ({"query": ST_QUERY_PROMPT, "document": ""}, None),
         "dense": ({"query": "query: ", "passage": "passage: "}, "query"),
         "instructor": ({"query": "Represent the question for retrieving passages: "}, None),
     }.get(layout, ({}, None))
@@ -228,6 +232,12 @@ def _build_st_backbone(path: Path, *, decoder: bool, seed: int) -> None:
                                          num_attention_heads=2, intermediate_size=128, max_position_embeddings=256,
                                          initializer_range=0.2))
     model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def _pad_right(path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.padding_side = "right"
     tokenizer.save_pretrained(path)
 
 
