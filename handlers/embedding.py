@@ -206,7 +206,16 @@ class EmbeddingHandler(TextHandler):
         return sum(len(row.input_ids) for row in item.rows)
 
     def preprocess(self, items: Sequence[EmbeddingRequest]) -> TextBatch:  # type: ignore[override]
-        return super().preprocess([row for item in items for row in item.rows])
+        batch = super().preprocess([row for item in items for row in item.rows])
+        if batch.real_rows == len(items):
+            return batch
+        return dataclasses.replace(batch, item_rows=tuple(len(item.rows) for item in items))
+
+    def inference(self, inputs: TextBatch) -> torch.Tensor | list[torch.Tensor]:
+        """One row per text; where an item holds several texts, one tensor of rows per item (the contract's one
+        output per item, by which a device process hands the outputs back to the micro-batches they came from)."""
+        rows = super().inference(inputs)
+        return list(torch.split(rows, list(inputs.item_rows))) if inputs.item_rows else rows
 
     def reduce(self, output: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = output.last_hidden_state.float()
@@ -216,10 +225,11 @@ class EmbeddingHandler(TextHandler):
             embeddings = layer(embeddings)
         return torch.nn.functional.normalize(embeddings, p=2, dim=1) if self.layout.normalize else embeddings
 
-    def postprocess(self, outputs: torch.Tensor, items: list[EmbeddingRequest]) -> list[dict[str, Any]]:  # type: ignore[override]
+    def postprocess(self, outputs: torch.Tensor | list[torch.Tensor],  # type: ignore[override]
+                    items: list[EmbeddingRequest]) -> list[dict[str, Any]]:
         # numpy rows, not tolist(): orjson writes a float32 array in C, each number in the shortest form that reads
         # back as the same float32 (about half the characters of the float64 digits tolist() leads to).
-        rows = outputs.numpy()
+        rows = torch.cat(outputs).numpy() if isinstance(outputs, list) else outputs.numpy()
         results, start = [], 0
         for item in items:
             count = len(item.rows)

@@ -144,6 +144,9 @@ class TextBatch:
     real_rows: int
     """The first ``real_rows`` rows are the items; any rows after them only pad the batch up to a shape bucket."""
     real_tokens: int
+    item_rows: tuple[int, ...] = ()
+    """How many of the rows each item takes, in order, where an item takes several (an OpenAI embeddings body's
+    texts); empty: one each. A device process hands outputs back by item."""
 
 
 def encoder(tokenizer: PreTrainedTokenizerBase, max_length: int | None,
@@ -421,7 +424,10 @@ class TextHandler(Handler):
                 merged[name][row : row + count, columns] = tensor[:count]
             row += count
         tensors = {name: self.accelerator.host(tensor) for name, tensor in merged.items()}
-        return TextBatch(tensors, real_rows=rows, real_tokens=sum(batch.real_tokens for batch in inputs))
+        item_rows = () if not any(batch.item_rows for batch in inputs) else tuple(
+            count for batch in inputs for count in (batch.item_rows or (1,) * batch.real_rows))
+        return TextBatch(tensors, real_rows=rows, real_tokens=sum(batch.real_tokens for batch in inputs),
+                         item_rows=item_rows)
 
     def calibration_payloads(self, count: int) -> list[dict[str, Any]]:
         return builtin_corpus(self.calibration_corpus, count)

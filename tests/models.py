@@ -168,7 +168,8 @@ def build_tiny_causal_lm(path: Path, *, chat_template: str | None = CHAT_TEMPLAT
     return path
 
 
-ST_LAYOUTS = ("cls", "lasttoken", "lasttoken-right", "dense", "max", "weightedmean", "mean_sqrt_len_tokens", "instructor", "concat")
+ST_LAYOUTS = ("cls", "lasttoken", "lasttoken-right", "dense", "max", "weightedmean", "mean_sqrt_len_tokens",
+              "instructor", "concat")
 """The sentence-transformers layouts ``build_st_model`` saves, each standing for a family of models:
 ``cls`` (BERT + CLS pooling + Normalize: bge, gte-base), ``lasttoken`` (a decoder, left padding, last-token pooling,
 an instruction prompt for queries, Normalize: Qwen3-Embedding, gte-Qwen2, e5-mistral), ``lasttoken-right`` (the same,
@@ -193,7 +194,8 @@ def build_st_model(path: Path, layout: str, *, max_seq_length: int = 128, seed: 
         _pad_right(base)
     transformer = st.Transformer(str(base), max_seq_length=max_seq_length)
     width = transformer.get_embedding_dimension()
-    pooling = {"lasttoken-right": "lasttoken", "dense": "mean", "instructor": "mean", "concat": ("cls", "mean")}.get(layout, layout)
+    pooling = {"lasttoken-right": "lasttoken", "dense": "mean", "instructor": "mean",
+               "concat": ("cls", "mean")}.get(layout, layout)
     modules: list[torch.nn.Module] = [
         transformer, st.Pooling(width, pooling_mode=pooling, include_prompt=layout != "instructor")]
     if layout == "dense":

@@ -21,7 +21,7 @@ from kinference.errors import HandlerLoadError, InputTooLong, InvalidInput
 from kinference.handlers import HandlerContext
 from kinference.handlers.embedding import EmbeddingHandler
 from kinference.protocol import ErrorCode, decode_embedding
-from tests.models import ST_LAYOUTS, ST_QUERY_PROMPT, build_tiny_classifier, varied_texts
+from tests.models import ST_LAYOUTS, build_tiny_classifier, varied_texts
 
 pytestmark = pytest.mark.model
 
@@ -132,7 +132,8 @@ def test_a_text_past_the_limit_is_refused_with_its_own_code_unless_cut(st_model:
     model = st_model("lasttoken")
     handler, st = set_up(model), reference(model)
     long = " ".join(["stream"] * 300)
-    refused, cut_by_request = answers(handler, [{"text": long}, {"text": long, "truncate": True, "prompt_name": "query"}])
+    payloads = [{"text": long}, {"text": long, "truncate": True, "prompt_name": "query"}]
+    refused, cut_by_request = answers(handler, payloads)
     assert isinstance(refused, InputTooLong) and refused.code == ErrorCode.INPUT_TOO_LONG == "input_too_long"
     assert "302 tokens, more than the limit of 128" in str(refused)
     assert_agree(np.array([vector(cut_by_request["embedding"])]), st.encode([long], prompt_name="query"))
@@ -150,7 +151,7 @@ def test_openai_bodies_take_the_same_fields_and_count_the_tokens_embedded(st_mod
     theirs = st.encode(["short one", long], prompt_name="passage", truncate_dim=16, normalize_embeddings=True)
     assert_agree(ours, theirs)
     assert np.linalg.norm(ours, axis=1).tolist() == pytest.approx([1.0, 1.0], abs=1e-5)
-    expected = len(st.tokenize(["passage: short one"])["input_ids"][0]) + 128
+    expected = len(st.preprocess(["passage: short one"])["input_ids"][0]) + 128
     assert reply["usage"] == {"prompt_tokens": expected, "total_tokens": expected}
     (refused,) = answers(handler, [{"input": ["fine", long]}])
     assert isinstance(refused, InputTooLong) and str(refused).startswith("input[1]: the text has")
