@@ -211,12 +211,6 @@ class EmbeddingHandler(TextHandler):
             return batch
         return dataclasses.replace(batch, item_rows=tuple(len(item.rows) for item in items))
 
-    def inference(self, inputs: TextBatch) -> torch.Tensor | list[torch.Tensor]:
-        """One row per text; where an item holds several texts, one tensor of rows per item (the contract's one
-        output per item, by which a device process hands the outputs back to the micro-batches they came from)."""
-        rows = super().inference(inputs)
-        return list(torch.split(rows, list(inputs.item_rows))) if inputs.item_rows else rows
-
     def reduce(self, output: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = output.last_hidden_state.float()
         attention = inputs["attention_mask"]
@@ -225,7 +219,7 @@ class EmbeddingHandler(TextHandler):
             embeddings = layer(embeddings)
         return torch.nn.functional.normalize(embeddings, p=2, dim=1) if self.layout.normalize else embeddings
 
-    def postprocess(self, outputs: torch.Tensor | list[torch.Tensor],  # type: ignore[override]
+    def postprocess(self, outputs: torch.Tensor | list[torch.Tensor],
                     items: list[EmbeddingRequest]) -> list[dict[str, Any]]:
         # numpy rows, not tolist(): orjson writes a float32 array in C, each number in the shortest form that reads
         # back as the same float32 (about half the characters of the float64 digits tolist() leads to).
@@ -254,7 +248,8 @@ def _first(rows: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndar
     cut = rows[:, :dimensions]
     if not normalize:
         return cut
-    return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12).astype(np.float32)
+    unit: np.ndarray = cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12).astype(np.float32)
+    return unit
 
 
 def _encoded(rows: np.ndarray, as_base64: bool) -> list[Any]:

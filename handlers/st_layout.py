@@ -166,7 +166,7 @@ def _dense(path: Path) -> DenseLayer:
 def _sentence_config(transformer_dir: Path) -> dict[str, Any]:
     for name in _SENTENCE_CONFIGS:
         if (transformer_dir / name).is_file():
-            return _json(transformer_dir / name)
+            return _json_or_empty(transformer_dir / name)
     return {}
 
 

@@ -445,7 +445,13 @@ class TextHandler(Handler):
         # Padded counts every row and column computed, bucket padding included: what the padding metric is for.
         return inputs.real_tokens, inputs.tensors["input_ids"].numel()
 
-    def inference(self, inputs: TextBatch) -> torch.Tensor:
+    def inference(self, inputs: TextBatch) -> torch.Tensor | list[torch.Tensor]:
+        """One row per text; where an item holds several texts (``item_rows``), one tensor of rows per item: the
+        contract's one output per item, by which a device process hands outputs back to their micro-batches."""
+        rows = self._rows(inputs)
+        return list(torch.split(rows, list(inputs.item_rows))) if inputs.item_rows else rows
+
+    def _rows(self, inputs: TextBatch) -> torch.Tensor:
         accelerator = self.accelerator
         with accelerator.stream(), torch.inference_mode(), accelerator.autocast():
             tensors = accelerator.to_device(inputs.tensors)
