@@ -113,6 +113,7 @@ def read_layout(model_dir: Path) -> Layout:
     transformer_dir, pooling_dir = (next(path for kind, path in kinds if kind == name) for name in found[:2])
     pooling, include_prompt = _pooling(pooling_dir / "config.json")
     settings = _sentence_config(transformer_dir)
+    _check_text_transformer(settings, transformer_dir)
     prompts = _json_or_empty(model_dir / "config_sentence_transformers.json")
     steps = found[2:]
     return Layout(
@@ -168,6 +169,18 @@ def _sentence_config(transformer_dir: Path) -> dict[str, Any]:
         if (transformer_dir / name).is_file():
             return _json_or_empty(transformer_dir / name)
     return {}
+
+
+def _check_text_transformer(settings: dict[str, Any], where: Path) -> None:
+    """A ``Transformer`` that reads plain text with the model's forward pass: sentence-transformers 6 can also render
+    texts through a chat template (the ``message`` modality, which it prefers where a model has it) or run another
+    task's head, neither of which kinference serves."""
+    task = settings.get("transformer_task", "feature-extraction")
+    modalities = settings.get("modality_config") or {"text": {}}
+    if task != "feature-extraction" or "message" in modalities or "text" not in modalities:
+        raise HandlerLoadError(f"{where}: a Transformer module with transformer_task {task!r} and modalities "
+                               f"{', '.join(map(str, modalities))}, which kinference does not serve: it reads the "
+                               "text modality of a feature-extraction model")
 
 
 def _prompts(config: dict[str, Any], model_dir: Path) -> dict[str, Any]:

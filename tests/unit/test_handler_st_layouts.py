@@ -193,3 +193,14 @@ def test_a_layout_kinference_cannot_serve_fails_setup_naming_it(
     (model / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(HandlerLoadError, match=f"module\\(s\\) {named}, which kinference does not serve"):
         set_up(model)
+
+
+def test_a_transformer_that_reads_chat_messages_fails_setup_saying_so(st_model: Any, tmp_path: Path) -> None:
+    import shutil
+
+    model = shutil.copytree(st_model("lasttoken"), tmp_path / "model")
+    config = json.loads((model / "sentence_bert_config.json").read_text())
+    config["modality_config"]["message"] = {"method": "forward", "method_output_name": "last_hidden_state"}
+    (model / "sentence_bert_config.json").write_text(json.dumps(config))
+    with pytest.raises(HandlerLoadError, match="modalities text, message, which kinference does not serve"):
+        set_up(model)
