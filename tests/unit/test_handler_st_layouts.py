@@ -204,3 +204,14 @@ def test_a_transformer_that_reads_chat_messages_fails_setup_saying_so(st_model: 
     (model / "sentence_bert_config.json").write_text(json.dumps(config))
     with pytest.raises(HandlerLoadError, match="modalities text, message, which kinference does not serve"):
         set_up(model)
+
+
+def test_a_device_process_hands_an_openai_bodys_rows_back_as_one_output(st_model: Any) -> None:
+    """Micro-batches of several workers, one holding a three-text body, merged: one output per item, in order."""
+    handler = set_up(st_model("cls"))
+    first = handler.validate_many([{"text": "alone"}, {"input": TEXTS[:3]}])
+    second = handler.validate_many([{"text": "after"}])
+    outputs = handler.inference(handler.merge([handler.preprocess(first), handler.preprocess(second)]))
+    assert [tuple(output.shape) for output in outputs] == [(1, 64), (3, 64), (1, 64)]
+    (body,) = answers(handler, [{"input": TEXTS[:3]}])
+    np.testing.assert_allclose(outputs[1].numpy(), [vector(row["embedding"]) for row in body["data"]], atol=1e-5)
