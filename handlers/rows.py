@@ -116,7 +116,7 @@ class RowsHandler(TextHandler):
         """The reply of one request from its rows' results (``to_host``'s, in the order ``read`` gave the texts) and
         the tokens they took."""
 
-    def validate(self, payload: Any) -> RowsItem:  # type: ignore[override]  # a RowsItem, not a TextItem
+    def validate(self, payload: Any) -> RowsItem:
         (result,) = self.validate_many([payload])
         if isinstance(result, InvalidInput):
             raise result

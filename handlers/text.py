@@ -23,10 +23,11 @@ import tokenizers
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from kinference.errors import HandlerLoadError, InvalidInput
+from kinference.errors import HandlerLoadError, InputTooLong, InvalidInput
 from kinference.handlers.accelerate import Accelerator, CudaGraphs, agreement
 from kinference.handlers.base import Handler, HandlerContext
-from kinference.handlers.options import one_of, positive_int, with_defaults
+from kinference.handlers.corpus import PROFILES, builtin_corpus
+from kinference.handlers.options import boolean, one_of, positive_int, with_defaults
 from kinference.handlers.runtime import forward_for
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,15 @@ log = logging.getLogger(__name__)
 AGREEMENT = 0.999
 """``dtype=auto``: the lowest cosine to float32, over a warm-up batch, at which reduced-precision weights serve."""
 
-CALIBRATION_CORPORA = ("short", "mixed")
-"""The built-in corpora (loadgen/corpus.py) a device process can calibrate on: search queries, or mixed lengths."""
+CALIBRATION_CORPORA = tuple(PROFILES)
+"""The built-in corpora (handlers/corpus.py) a device process can calibrate on: search queries, or mixed lengths."""
+
+POOLING_MASK = "pooling_mask"
+"""A batch tensor that is no model input: the attention mask without each row's prompt, for a model whose pooling
+leaves the prompt out (sentence-transformers' ``include_prompt: false``)."""
+
+UNBOUNDED = 1_000_000
+"""A tokenizer's ``model_max_length`` at or past this is transformers' "no limit" (it writes 1e30)."""
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -118,12 +126,14 @@ def _json_type(value: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class TextItem:
-    """A validated request: its text and its token ids, special tokens included, truncated to ``max_length``."""
+    """A validated text: its token ids, special tokens included, at most ``max_length`` of them."""
 
     text: str
     input_ids: list[int]
     token_type_ids: list[int] | None
     """Only for models that take them (``token_type_ids`` in the tokenizer's ``model_input_names``)."""
+    prompt_tokens: int = 0
+    """The leading tokens (special ones included) that are the request's prompt, where pooling leaves them out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,18 +144,30 @@ class TextBatch:
     real_rows: int
     """The first ``real_rows`` rows are the items; any rows after them only pad the batch up to a shape bucket."""
     real_tokens: int
+    item_rows: tuple[int, ...] = ()
+    """How many of the rows each item takes, in order, where an item takes several (an OpenAI embeddings body's
+    texts); empty: one each. A device process hands outputs back by item."""
 
 
-def encoder(tokenizer: PreTrainedTokenizerBase, max_length: int) -> tokenizers.Tokenizer:
+def encoder(tokenizer: PreTrainedTokenizerBase, max_length: int | None,
+            lowercase: bool = False) -> tokenizers.Tokenizer:
     """A copy of the tokenizer's Rust backend that encodes one text as ``tokenizer(text, truncation=True,
-    max_length=max_length)`` does, without the Python layer around it.
+    max_length=max_length)`` does (``None``: as ``tokenizer(text)`` does, uncut), without the Python layer around it.
+    ``lowercase``: lower-case the text first, as sentence-transformers' ``do_lower_case`` does.
 
     A copy, because the transformers tokenizer writes its truncation settings into its backend when they
     differ from the call's, and a backend changed while another thread encodes with it raises "Already
     borrowed" (huggingface/tokenizers#537). This copy is set once, here, and then only read.
     """
     backend: tokenizers.Tokenizer = copy.deepcopy(tokenizer.backend_tokenizer)
-    backend.enable_truncation(max_length, stride=0, strategy="longest_first", direction=tokenizer.truncation_side)
+    if max_length is None:
+        backend.no_truncation()
+    else:
+        backend.enable_truncation(max_length, stride=0, strategy="longest_first", direction=tokenizer.truncation_side)
+    if lowercase:
+        normalizer = backend.normalizer
+        steps = [tokenizers.normalizers.Lowercase(), *([] if normalizer is None else [normalizer])]
+        backend.normalizer = tokenizers.normalizers.Sequence(steps)
     backend.no_padding()  # tokenizer.json may ask for fixed-length padding: collation pads instead
     backend.encode_special_tokens = tokenizer.split_special_tokens
     return backend
@@ -154,12 +176,13 @@ def encoder(tokenizer: PreTrainedTokenizerBase, max_length: int) -> tokenizers.T
 class TextHandler(Handler):
     """Base of the handlers that run a transformers model on ``{"text": str}`` requests.
 
-    Options (``--handler-options key=value``): ``max_length`` (tokens kept per text, default 256),
-    ``max_chars`` (longer requests are rejected, default 20000), ``dtype`` (auto, float32, float16 or bfloat16;
-    auto: float16 or bfloat16 weights on CUDA where a warm-up batch agrees with float32, float32 elsewhere),
-    and, described in handlers/accelerate.py, ``amp`` (none, float16 or bfloat16; default none), ``compile``
-    (default false), ``compile_backend`` (default inductor), ``cuda_graphs`` (default auto: on with CUDA) and
-    ``shape_buckets`` (default: on when compiling or capturing CUDA graphs);
+    Options (``--handler-options key=value``): ``max_length`` (the most tokens of a text, special tokens included,
+    default 256), ``truncate`` (default true: a longer text is cut to ``max_length``; false: refused with
+    ``input_too_long``), ``max_chars`` (longer requests are rejected, default 20000), ``dtype`` (auto, float32,
+    float16 or bfloat16; auto: float16 or bfloat16 weights on CUDA where a warm-up batch agrees with float32,
+    float32 elsewhere), and, described in handlers/accelerate.py, ``amp`` (none, float16 or bfloat16; default
+    none), ``compile`` (default false), ``compile_backend`` (default inductor), ``cuda_graphs`` (default auto: on with
+    CUDA) and ``shape_buckets`` (default: on when compiling or capturing CUDA graphs);
     in handlers/runtime.py, ``runtime`` (torch or onnxruntime) and ``quantize`` (none or int8);
     ``calibration_corpus`` (short or mixed, default short: the lengths a device process calibrates on, see
     docs/configuration.md); plus each subclass's own ``defaults``.
@@ -182,13 +205,20 @@ class TextHandler(Handler):
         "runtime": "torch",
         "quantize": "none",
         "calibration_corpus": "short",
+        "truncate": True,
     }
     """Every option the handler knows, with its default; anything else is a typo and fails setup."""
+
+    lowercase = False
+    """Whether texts are lower-cased before tokenising (a subclass sets it in ``read_model_dir``)."""
+
+    pooling_mask = False
+    """Whether batches carry ``POOLING_MASK`` (a subclass sets it in ``read_model_dir``)."""
 
     def setup(self, context: HandlerContext) -> None:
         options = with_defaults(self.name, self.defaults, context.options)
         self.max_chars = positive_int(self.name, "max_chars", options["max_chars"])
-        self.max_length = positive_int(self.name, "max_length", options["max_length"])
+        self.truncate = boolean(self.name, "truncate", options["truncate"])
         self.calibration_corpus = one_of(self.name, "calibration_corpus", options["calibration_corpus"],
                                          CALIBRATION_CORPORA)
         dtype_name = one_of(self.name, "dtype", options["dtype"], ("auto", *DTYPES))
@@ -196,17 +226,16 @@ class TextHandler(Handler):
             self.model_name, model_dir = self.default_model()
         else:
             self.model_name, model_dir = context.model.resolve().name, context.model
+        model_dir = self.read_model_dir(model_dir, options)
         check_model_dir(self.name, model_dir)
         self.tokenizer = _load_tokenizer(self.name, model_dir)
         self.config = _loaded(self.name, model_dir, lambda: AutoConfig.from_pretrained(model_dir,
                                                                                        local_files_only=True))
-        positions = getattr(self.config, "max_position_embeddings", None)
-        if positions is not None and self.max_length > positions:
-            raise HandlerLoadError(
-                f"{self.name}: max_length={self.max_length} is more than the {positions} positions of the model"
-            )
-        self._encoder = encoder(self.tokenizer, self.max_length)
+        self.max_length = self._max_length(options["max_length"])
+        self._encoder = encoder(self.tokenizer, self.max_length, self.lowercase)
+        self._counter = encoder(self.tokenizer, None, self.lowercase)
         self._token_types = "token_type_ids" in self.tokenizer.model_input_names
+        self._left = self.tokenizer.padding_side == "left"
         self._onnx = None
         self.configure(options)  # before the weights: dtype=auto's check below calls reduce, which may read options
         if context.role == "host":
@@ -233,14 +262,34 @@ class TextHandler(Handler):
         """Name and directory of the model used without ``--model``."""
         raise HandlerLoadError(f"{self.name} needs --model <local dir>")
 
+    def read_model_dir(self, model_dir: Path, options: dict[str, Any]) -> Path:
+        """Read what the directory says beyond the transformers model, before anything is loaded; return the
+        directory of the transformers model (config.json, weights, tokenizer)."""
+        return model_dir
+
+    def natural_max_length(self) -> int:
+        """The ``max_length`` without the option: the tokenizer is loaded by then."""
+        return int(self.defaults["max_length"])
+
+    def _max_length(self, option: Any) -> int:
+        max_length = self.natural_max_length() if option is None else positive_int(self.name, "max_length", option)
+        positions = getattr(self.config, "max_position_embeddings", None)
+        if positions is not None and max_length > positions:
+            raise HandlerLoadError(f"{self.name}: max_length={max_length} is more than the {positions} positions of "
+                                   "the model")
+        if max_length >= UNBOUNDED:
+            raise HandlerLoadError(f"{self.name}: neither the model nor its tokenizer gives a token limit: set the "
+                                   "handler option max_length")
+        return max_length
+
     def configure(self, options: dict[str, Any]) -> None:
         """Read the subclass's own options; the tokenizer and the model's configuration are loaded by then, not its
         weights."""
 
     def _export_example(self) -> dict[str, torch.Tensor]:
         """A batch for the ONNX exporter to trace: two rows, 16 tokens (no size 1, which tracing could fix)."""
-        item = self._item("an example", self._encoder.encode("an example"))
-        return self._collate([item, item], 2, 16).tensors
+        item = self._cut("an example")
+        return self._model_inputs(self._collate([item, item], 2, 16).tensors)
 
     def _reduced_precision(self, model: Any) -> tuple[Any, torch.dtype]:
         """``dtype=auto`` on CUDA: float16 weights, or else bfloat16, where a warm-up batch's results agree with
@@ -249,11 +298,12 @@ class TextHandler(Handler):
         rows = self.sample_rows(16)
         longest = max(len(row.input_ids) for row in rows)
         batch = self.accelerator.to_device(self._collate(rows, len(rows), longest).tensors)
+        inputs = self._model_inputs(batch)
         with torch.inference_mode():
-            reference = self.reduce(model(**batch), batch)
+            reference = self.reduce(model(**inputs), batch)
             for candidate in (torch.float16, torch.bfloat16):
                 reduced = copy.deepcopy(model).to(candidate)
-                worst = agreement(reference, self.reduce(reduced(**batch), batch))
+                worst = agreement(reference, self.reduce(reduced(**inputs), batch))
                 if worst >= AGREEMENT:
                     log.info("%s: %s weights (the warm-up batch agrees with float32: cosine >= %.5f)", self.name,
                              str(candidate).removeprefix("torch."), worst)
@@ -265,15 +315,14 @@ class TextHandler(Handler):
         """The model, in eval mode on the handler's device (the tokenizer is loaded by then)."""
         return self.model_class.from_pretrained(model_dir, local_files_only=True, dtype=dtype).eval().to(self.device)
 
-    def validate(self, payload: Any) -> TextItem:
-        text = validate_text(payload, self.max_chars)
-        return self._item(text, self._encoder.encode(text))
+    def validate(self, payload: Any) -> Any:
+        (item,) = self.validate_many([payload])
+        if isinstance(item, InvalidInput):
+            raise item
+        return item
 
     def validate_many(self, payloads: list[Any]) -> list[Any]:
-        """All the texts of a poll in one ``encode_batch_fast``: the Rust tokenizer works on them in parallel,
-        without the GIL, instead of one Python call each in the poll thread. The fast variant leaves out the
-        character offsets of each token, which nothing here reads; the ids are the same. Tokenising is the largest
-        cost of a short text's host path, and the offsets were about a fifth of it (issue 27)."""
+        """The ``{"text": ...}`` requests of a poll, tokenised together (``tokenize``)."""
         results: list[Any] = []
         texts, slots = [], []
         for payload in payloads:
@@ -284,12 +333,38 @@ class TextHandler(Handler):
             else:
                 slots.append(len(results))
                 results.append(None)
-        for slot, text, encoding in zip(slots, texts, self._encoder.encode_batch_fast(texts), strict=True):
-            results[slot] = self._item(text, encoding)
+        for slot, item in zip(slots, self.tokenize(texts, self.truncate), strict=True):
+            results[slot] = item
         return results
+
+    def tokenize(self, texts: Sequence[str], truncate: bool | Sequence[bool]) -> list[TextItem | InputTooLong]:
+        """Each text's item, or ``InputTooLong`` for a text past ``max_length`` that may not be cut (``truncate``:
+        for all, or per text). A cut text is cut as ``tokenizer(text, truncation=True, max_length=...)`` cuts it.
+
+        All in one ``encode_batch_fast``: the Rust tokenizer works on them in parallel, without the GIL, instead of
+        one Python call each in the poll thread. The fast variant leaves out the character offsets of each token,
+        which nothing here reads; the ids are the same. Tokenising is the largest cost of a short text's host path,
+        and the offsets were about a fifth of it (issue 27). Texts are tokenised uncut, to count them (a cut text
+        is tokenised again, cut)."""
+        items: list[TextItem | InputTooLong] = []
+        limit = self.max_length
+        for index, (text, encoding) in enumerate(zip(texts, self._counter.encode_batch_fast(texts), strict=True)):
+            count = len(encoding.ids)
+            if count <= limit:
+                items.append(self._item(text, encoding))
+            elif truncate if isinstance(truncate, bool) else truncate[index]:
+                items.append(self._cut(text))
+            else:
+                items.append(InputTooLong(f"the text has {count} tokens, more than the limit of {limit} (max_length, "
+                                          'special tokens included); send "truncate": true to cut it'))
+        return items
 
     def _item(self, text: str, encoding: tokenizers.Encoding) -> TextItem:
         return TextItem(text, encoding.ids, encoding.type_ids if self._token_types else None)
+
+    def _cut(self, text: str) -> TextItem:
+        """``text``'s item, cut to ``max_length``."""
+        return self._item(text, self._encoder.encode(text))
 
     def cost(self, item: TextItem) -> int:
         return len(item.input_ids)
@@ -301,16 +376,21 @@ class TextHandler(Handler):
         return self._collate(items, rows, length)
 
     def _collate(self, items: Sequence[TextItem], rows: int, length: int) -> TextBatch:
-        """Right-pad ``items`` into ``rows`` x ``length`` tensors; rows past the items are all padding."""
+        """Pad ``items`` into ``rows`` x ``length`` tensors, on the tokenizer's padding side (a decoder's is often the
+        left); rows past the items are all padding."""
         # Filled in numpy, then one torch.from_numpy per tensor: about 5 us an item, against 40 for torch rows.
         arrays = {name: np.full((rows, length), pad, dtype=np.int64) for name, pad in self._pads().items()}
         input_ids, attention_mask = arrays["input_ids"], arrays["attention_mask"]
+        pooling_mask = arrays.get(POOLING_MASK)
         for row, item in enumerate(items):
             size = len(item.input_ids)
-            input_ids[row, :size] = item.input_ids
-            attention_mask[row, :size] = 1
+            start = length - size if self._left else 0
+            input_ids[row, start : start + size] = item.input_ids
+            attention_mask[row, start : start + size] = 1
             if item.token_type_ids is not None:
-                arrays["token_type_ids"][row, :size] = item.token_type_ids
+                arrays["token_type_ids"][row, start : start + size] = item.token_type_ids
+            if pooling_mask is not None:
+                pooling_mask[row, start + item.prompt_tokens : start + size] = 1
         tensors = {name: self.accelerator.host(torch.from_numpy(array)) for name, array in arrays.items()}
         return TextBatch(tensors, real_rows=len(items), real_tokens=sum(len(item.input_ids) for item in items))
 
@@ -319,7 +399,15 @@ class TextHandler(Handler):
         pads = {"input_ids": self.tokenizer.pad_token_id, "attention_mask": 0}
         if self._token_types:
             pads["token_type_ids"] = self.tokenizer.pad_token_type_id
+        if self.pooling_mask:
+            pads[POOLING_MASK] = 0
         return pads
+
+    def _model_inputs(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors of a batch that the model takes."""
+        if not self.pooling_mask:
+            return tensors
+        return {name: tensor for name, tensor in tensors.items() if name != POOLING_MASK}
 
     def merge(self, inputs: list[TextBatch]) -> TextBatch:
         """The device process's batch: the real rows of every micro-batch, in order, padded to the longest and (with
@@ -333,26 +421,30 @@ class TextHandler(Handler):
         for batch in inputs:
             count = batch.real_rows
             for name, tensor in batch.tensors.items():
-                merged[name][row : row + count, : tensor.shape[1]] = tensor[:count]
+                columns = slice(shape[1] - tensor.shape[1], None) if self._left else slice(0, tensor.shape[1])
+                merged[name][row : row + count, columns] = tensor[:count]
             row += count
         tensors = {name: self.accelerator.host(tensor) for name, tensor in merged.items()}
-        return TextBatch(tensors, real_rows=rows, real_tokens=sum(batch.real_tokens for batch in inputs))
+        item_rows = () if not any(batch.item_rows for batch in inputs) else tuple(
+            count for batch in inputs for count in (batch.item_rows or (1,) * batch.real_rows))
+        return TextBatch(tensors, real_rows=rows, real_tokens=sum(batch.real_tokens for batch in inputs),
+                         item_rows=item_rows)
 
     def rows(self, inputs: TextBatch) -> int:
-        return inputs.real_rows
+        """``inference``'s outputs for ``inputs``: one per item (an item of several texts gets one tensor of rows)."""
+        return len(inputs.item_rows) if inputs.item_rows else inputs.real_rows
 
     def sample_rows(self, count: int) -> list[TextItem]:
-        """``count`` rows of the expected traffic, tokenised: what ``dtype=auto`` compares precisions on."""
-        return list(self.validate_many(self.calibration_payloads(count)))
+        """``count`` rows of the expected traffic, tokenised (cut to ``max_length``): what ``dtype=auto`` compares
+        precisions on."""
+        return [self._cut(payload["text"]) for payload in self.calibration_payloads(count)]
 
-    def calibration_payloads(self, count: int) -> list[Any]:
-        from kinference.loadgen.corpus import builtin_corpus
-
+    def calibration_payloads(self, count: int) -> list[dict[str, Any]]:
         return builtin_corpus(self.calibration_corpus, count)
 
     def warm_up(self) -> None:
         """Run one tiny batch; with shape buckets, one batch of every bucket shape (this compiles them all)."""
-        item = self._item("warm up", self._encoder.encode("warm up"))  # a row, whatever a request looks like
+        item = self._cut("warm up")  # a row, whatever a request looks like
         buckets = self.accelerator.buckets
         for rows, length in [(1, len(item.input_ids))] if buckets is None else buckets.all():
             self.forward_rows(self._collate([item], rows, length))
@@ -364,14 +456,17 @@ class TextHandler(Handler):
         return inputs.real_tokens, inputs.tensors["input_ids"].numel()
 
     def inference(self, inputs: TextBatch) -> Any:
-        return self.forward_rows(inputs)
+        """One row per text; where an item holds several texts (``item_rows``), one tensor of rows per item: the
+        contract's one output per item, by which a device process hands outputs back to their micro-batches."""
+        rows = self.forward_rows(inputs)
+        return list(torch.split(rows, list(inputs.item_rows))) if inputs.item_rows else rows
 
     def forward_rows(self, inputs: TextBatch) -> Any:
         """The batch run through the model, its real rows brought to the host (``to_host``)."""
         accelerator = self.accelerator
         with accelerator.stream(), torch.inference_mode(), accelerator.autocast():
             tensors = accelerator.to_device(inputs.tensors)
-            rows = self.reduce(self._forward(**tensors), tensors)[: inputs.real_rows]
+            rows = self.reduce(self._forward(**self._model_inputs(tensors)), tensors)[: inputs.real_rows]
             return self.to_host(rows)
 
     def to_host(self, rows: torch.Tensor) -> Any:
@@ -384,7 +479,8 @@ class TextHandler(Handler):
     @abstractmethod
     def reduce(self, output: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Turn the model output into one row per batch row (still on the device). Padding rows have an
-        all-zero ``attention_mask``; they are sliced off afterwards, but must not raise."""
+        all-zero ``attention_mask``; they are sliced off afterwards, but must not raise. ``inputs`` holds the model's
+        inputs and, where the handler asks for it, ``POOLING_MASK``."""
 
     def describe(self) -> dict[str, str]:
         labels = {"handler": self.name, "model": self.model_name, "device": self._placement}

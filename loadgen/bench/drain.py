@@ -63,7 +63,7 @@ from kinference.consumer.ops.topics import create_topics
 from kinference.consumer.service import Service, resolve_device
 from kinference.handlers import HandlerContext, load_handler
 from kinference.loadgen.bench.baselines import CommittingRelay, LoopThread
-from kinference.loadgen.bench.ceiling import measure_ceiling
+from kinference.loadgen.bench.ceiling import CUT, measure_ceiling
 from kinference.loadgen.bench.command import parse_options
 from kinference.loadgen.bench.contender import READY_TIMEOUT_S, Serve, Topics, contender, ready_or_fail, setup_logging
 from kinference.loadgen.bench.machine import process_cpu_s, process_tree_cpu_s
@@ -382,7 +382,7 @@ class Run:
     def _ceiling(self) -> dict[str, Any]:
         self._step("the embedding handler in-process, texts sorted by length (the ceiling)")
         handler = load_handler("embedding")
-        handler.setup(HandlerContext(device=resolve_device("auto"), max_batch_size=32))
+        handler.setup(HandlerContext(device=resolve_device("auto"), options=CUT, max_batch_size=32))
         handler.warm_up()
         try:
             return measure_ceiling(handler, self.payloads, "grouped", (8, 32), seconds=5.0)
@@ -467,7 +467,8 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     # cannot always tell).
     (WAITING, "threading.py", frozenset({"wait", "acquire"})),
     (WAITING, "queue.py", frozenset({"get", "put"})),
-    ("poll: tokenise", "handlers/text.py", frozenset({"validate", "validate_many", "_item", "cost"})),
+    ("poll: tokenise", "handlers/text.py",
+     frozenset({"validate", "validate_many", "tokenize", "_item", "_cut", "cost"})),
     ("poll: admission", "consumer/path/admission.py", None),
     ("poll: decode", "consumer/path/request.py", frozenset({"decode"})),
     ("poll: track", "consumer/ledger/commit.py", frozenset({"track", "passed", "pass_to"})),

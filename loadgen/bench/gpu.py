@@ -65,7 +65,7 @@ from kinference.errors import KinferenceError
 from kinference.handlers import HandlerContext, load_handler
 from kinference.handlers.text import DTYPES, TextHandler
 from kinference.loadgen.bench import drain
-from kinference.loadgen.bench.ceiling import measure_ceiling, measure_plain_model
+from kinference.loadgen.bench.ceiling import CUT, measure_ceiling, measure_plain_model
 from kinference.loadgen.bench.command import measured, parse_options
 from kinference.loadgen.bench.gpu_busy import BusySampler
 from kinference.loadgen.bench.machine import loadavg, machine, process_tree_cpu_s
@@ -224,7 +224,7 @@ class GpuBench:
         rows = []
         for dtype in self._dtypes():
             handler = load_handler(HANDLER)
-            handler.setup(HandlerContext(device=self.device, model=model.directory, options={"dtype": dtype},
+            handler.setup(HandlerContext(device=self.device, model=model.directory, options={"dtype": dtype, **CUT},
                                          max_batch_size=max(options.handler_batch_sizes)))
             handler.warm_up()
             try:

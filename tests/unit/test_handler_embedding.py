@@ -158,4 +158,4 @@ def test_openai_embeddings_refusals(handler: EmbeddingHandler) -> None:
     small = set_up(max_batch_size=2)
     outcomes = small.validate_many([{"input": ["a", "b", "c"]}, {"input": []}, {"input": "ok"}])
     assert "at most 2 (max_batch_size)" in str(outcomes[0]) and '"input" must be' in str(outcomes[1])
-    assert outcomes[2].texts[0].text == "ok"
+    assert outcomes[2].rows[0].text == "ok"

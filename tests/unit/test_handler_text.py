@@ -120,7 +120,7 @@ def test_describe_names_the_model_directory_and_device(tiny_model: Path) -> None
         (
             {"max_lenght": 64},
             "unknown handler option(s) max_lenght; known: max_length, max_chars, dtype, amp, compile, compile_backend, "
-            "cuda_graphs, shape_buckets, runtime, quantize, calibration_corpus, top_k",
+            "cuda_graphs, shape_buckets, runtime, quantize, calibration_corpus, truncate, top_k",
         ),
         ({"max_length": 0}, "max_length must be an integer >= 1, not 0"),
         ({"max_length": "64"}, "max_length must be an integer >= 1, not '64'"),
