@@ -19,8 +19,8 @@ Read the modules in that order to follow a request through the service (README.m
 The subpackages:
 
 - ``path``         the request path above, from the poll to the stages, with what it consults on the way (flow
-  control, admission, routing, rebalances, a share group's poll thread, the runner interface, a generative model's runner,
-  ``generations``);
+  control, admission, routing, rebalances, a share group's poll thread) and a generative model's runner
+  (``generations``);
 - ``delivery``     from a finished request to a durable answer: the publisher, what answers a request, the
   publisher's side of the two delivery modes, the member's transactional slot, which reply topics exist;
 - ``ledger``       the floor below both, which they share and which imports neither: the ``Request``, the commit
