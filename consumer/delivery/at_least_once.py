@@ -14,6 +14,8 @@ The mode has the same two sides as exactly-once (``exactly_once``), each entered
 - on the poll thread, ``ledger.commits.OffsetCommits``, on the floor below, where the source reaches it: an
   asynchronous commit of the positions that moved, every ``commit_interval_ms``; a synchronous one on revoke and at
   close.
+A generative request's stream chunks (``streams``) are produced as they come, before its final, best effort: they
+are not tracked, since the final is what answers the request.
 """
 
 from __future__ import annotations
