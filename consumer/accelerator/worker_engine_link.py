@@ -1,5 +1,5 @@
 """A worker's link to the generative engine in its device process (``device_engine``): the ``GenerativePort``
-that the worker's ``Generations`` drives when the engine runs in the device process.
+that the worker's ``GenerativeRunner`` drives when the engine runs in the device process.
 
 One connection per worker and model (a Unix ``SOCK_SEQPACKET`` socket, as ``worker_link``'s; no arena: what
 crosses is text). ``submit`` and ``cancel`` each send one message (``wire.Submit``, ``wire.Cancel``); the device
@@ -7,7 +7,7 @@ process sends back the events of this worker's requests, a decoding step's worth
 which ``events`` (the drain thread) reads.
 
 A device process that dies loses what it was generating. The link connects again (the supervisor restarts the
-device process meanwhile) and then reports each request it had handed over as ``lost``: ``Generations`` generates
+device process meanwhile) and then reports each request it had handed over as ``lost``: ``GenerativeRunner`` generates
 it again, under a new attempt, and clients drop the lost attempt's chunks. A request that finds no device process
 for ``wait_s`` fails with ``handler_error``, answered, as a micro-batch does (``worker_link``). Either way the
 request was never answered before, so the commit rule is untouched.

@@ -138,6 +138,23 @@ class Settled:
     """Why the service must stop (transactions aborted too often in a row), if it must."""
 
 
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """One ``chat.completion.chunk`` record of a generative request (``path.generations``). It does not answer its
+    request (the final does): a delivery mode that streams (``streams``) produces it as it comes, before that
+    final, best effort and never tracked for the commit."""
+
+    request: Request
+    value: bytes
+    headers: Headers
+
+    @property
+    def record(self) -> Record:
+        """To its request's reply topic and partition, with its key: where the final goes too."""
+        request = self.request
+        return request.reply_topic, self.value, request.key, self.headers, request.reply_partition
+
+
 def answer(request: Request, dead_letter_topic: str, now: float) -> list[Delivery]:
     """The records that answer ``request`` now."""
     deliveries = []

@@ -14,16 +14,19 @@ The mode has the same two sides as exactly-once (``exactly_once``), each entered
 - on the poll thread, ``ledger.commits.OffsetCommits``, on the floor below, where the source reaches it: an
   asynchronous commit of the positions that moved, every ``commit_interval_ms``; a synchronous one on revoke and at
   close.
+A generative request's stream chunks (``streams``) are produced as they come, before its final, best effort: they
+are not tracked, since the final is what answers the request.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from confluent_kafka import KafkaError
 
-from kinference.consumer.delivery.answers import Delivery, InFlight, Settled, answer
+from kinference.consumer.delivery.answers import Delivery, InFlight, Record, Settled, StreamChunk, answer
 from kinference.consumer.ledger.commit import Ledger
 from kinference.consumer.ledger.request import Request
 
@@ -37,6 +40,9 @@ class AtLeastOnce:
 
     replaces_producer = True
     """A producer that failed for good is replaced: what it did not deliver is produced again by a new one."""
+
+    streams = True
+    """A generative request's stream chunks are produced as they come, before its final."""
 
     def __init__(self, ledger: Ledger, dead_letter_topic: str) -> None:
         self._ledger = ledger
@@ -52,6 +58,10 @@ class AtLeastOnce:
     def take(self, requests: list[Request]) -> None:
         """Finished requests (results or errors): answered in this turn."""
         self._taken += requests
+
+    def stream(self, chunks: Sequence[StreamChunk]) -> list[Record]:
+        """Every chunk, produced now, best effort: not tracked for the commit (its request's final answers it)."""
+        return [piece.record for piece in chunks]
 
     def begin(self, _producer: Any, now: float, _final: bool) -> list[Delivery]:
         """The records that answer the requests taken this turn: the publisher produces them now."""

@@ -38,19 +38,22 @@ librdkafka's transactional contract, followed to the letter:
   refused it) stops the service with a non-zero exit: re-initialising would fence the other instance in turn, so
   the producer is never replaced (``replaces_producer``).
 
+- A generative request's stream chunks are not produced (``streams``): only its final, in the transaction that
+  commits its offset.
+
 Clients must read replies with ``isolation.level=read_committed``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from kinference.consumer.delivery.answers import Delivery, InFlight, Settled, answer
+from kinference.consumer.delivery.answers import Delivery, InFlight, Record, Settled, StreamChunk, answer
 from kinference.consumer.ledger.commit import OffsetTracker, PartitionLedger
 from kinference.consumer.ledger.commits import Transactions
 from kinference.consumer.ledger.request import Request
@@ -86,6 +89,11 @@ class ExactlyOnce:
 
     replaces_producer = False
     """A transactional producer is never replaced: initialised again, it would fence the other instance of its id."""
+
+    streams = False
+    """No stream chunks, only each generative request's final: a transactional producer writes only inside a
+    transaction, and a read_committed client would see a chunk only once that transaction commits, with the final
+    (so a generative model makes none: ``path.generations.GenerationSettings.chunks``)."""
 
     def __init__(self, tracker: OffsetTracker, transactions: Transactions, dead_letter_topic: str, metrics: Metrics,
                  commit_interval_s: float, timeout_s: float = 30.0) -> None:
@@ -126,6 +134,10 @@ class ExactlyOnce:
             held.append(request)
         self._transactions.held = self.held  # before the ledger counts them finished: flow control sees them always
         self._tracker.finish(held)  # committable now; counted as held until their transaction commits
+
+    def stream(self, _chunks: Sequence[StreamChunk]) -> list[Record]:
+        """None of them is produced (``streams``)."""
+        return []
 
     def begin(self, producer: Any, now: float, final: bool) -> list[Delivery]:
         """A transaction when one is due (``final``: the last turn before stopping): begun, its records returned

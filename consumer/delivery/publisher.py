@@ -55,7 +55,6 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from collections import Counter as Tally
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,9 +67,11 @@ from kinference.consumer.config import ServiceConfig
 from kinference.consumer.delivery.answers import (
     Delivery,
     InFlight,
+    Record,
     Refusal,
     ReplyPartitions,
     Settled,
+    StreamChunk,
     classify,
     replacement,
 )
@@ -78,7 +79,6 @@ from kinference.consumer.ledger.budget import ByteBudget
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.logs import about
 from kinference.consumer.ops.metrics import UNSERVED_LABEL, Metrics, observe_many
-from kinference.consumer.types import Headers
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
 
@@ -137,6 +137,13 @@ class DeliveryMode(Protocol):
     def begin(self, producer: Any, now: float, final: bool) -> list[Delivery]:
         """The records to produce now (``final``: the last turn before stopping)."""
 
+    @property
+    def streams(self) -> bool:
+        """Whether a generative request's stream chunks are produced at all (else only its final)."""
+
+    def stream(self, chunks: Sequence[StreamChunk]) -> list[Record]:
+        """The records of stream chunks to produce now, best effort."""
+
     def delivered(self, delivery: Delivery) -> None: ...
 
     def refused(self, delivery: Delivery, error: KafkaError, replacements: list[Delivery] | None,
@@ -150,25 +157,11 @@ class DeliveryMode(Protocol):
         """The publisher leaves."""
 
 
-class Chunk(Protocol):
-    """One record of a generative request's stream (``path.generations.StreamChunk``), as the publisher produces it:
-    in order with its request's final, never tracked for the commit (the final is what answers the request)."""
-
-    @property
-    def request(self) -> Request: ...
-
-    @property
-    def value(self) -> bytes: ...
-
-    @property
-    def headers(self) -> Headers: ...
-
-
 @dataclass(frozen=True, slots=True)
 class _Stream:
     """Stream chunks of generative requests, in the inbox with the finished requests (``Publisher.stream``)."""
 
-    chunks: Sequence[Chunk]
+    chunks: Sequence[StreamChunk]
 
 
 @dataclass(frozen=True)
@@ -248,10 +241,21 @@ class Publisher:
         self.budget.release(requests)
         self._put(requests)
 
-    def stream(self, chunks: Sequence[Chunk]) -> None:
-        """Queue the stream chunks of generative requests, produced in order before their requests' finals (one
-        producer, one partition per request). Chunks are not answers: nothing waits for their acknowledgement."""
+    def stream(self, chunks: Sequence[StreamChunk]) -> None:
+        """Queue the stream chunks of generative requests, produced (as the delivery mode says: ``streams``) in order
+        before their requests' finals (one producer, one partition per request). Chunks are not answers: nothing
+        waits for their acknowledgement."""
         self._put(_Stream(chunks))
+
+    @property
+    def streams(self) -> bool:
+        """Whether stream chunks are produced at all: the delivery mode's (``DeliveryMode.streams``)."""
+        return self._delivery.streams
+
+    def reply_partitions(self, topic: str) -> int | None:
+        """The reply topic's partition count (``answers.ReplyPartitions``, cached), for a generative model's keyless
+        streams: any thread (the cache's entries are replaced whole)."""
+        return self._reply_partitions.count(topic)
 
     def _put(self, item: list[Request] | _Stream) -> None:
         while True:
@@ -314,7 +318,7 @@ class Publisher:
         except queue.Empty:
             return
         if isinstance(requests, _Stream):
-            self._produce_chunks(requests.chunks)
+            self._produce_chunks(self._delivery.stream(requests.chunks))
             return
         self._reply_partitions.check(requests)
         observe(self._metrics, requests, time.monotonic())
@@ -339,20 +343,14 @@ class Publisher:
 
     # --- records
 
-    def _produce_chunks(self, chunks: Sequence[Chunk]) -> None:
+    def _produce_chunks(self, records: list[Record]) -> None:
         """Best effort: a chunk the broker refuses is counted and logged, and the client sees the gap (the final,
         which carries the whole text, is what answers the request)."""
-        for piece in chunks:
-            request = piece.request
-            if request.key is None and request.reply_partition is None:
-                # Pinned at the first chunk, so that a keyless request's chunks and final share one partition.
-                count = self._reply_partitions.count(request.reply_topic) or 1
-                request.reply_partition = zlib.crc32(request.correlation_id.encode()) % count
-            kwargs = {} if request.reply_partition is None else {"partition": request.reply_partition}
+        for topic, value, key, headers, partition in records:
+            kwargs = {} if partition is None else {"partition": partition}
             while True:
                 try:
-                    self._producer.produce(request.reply_topic, piece.value, request.key, headers=piece.headers,
-                                           on_delivery=self._on_chunk, **kwargs)
+                    self._producer.produce(topic, value, key, headers=headers, on_delivery=self._on_chunk, **kwargs)
                     break
                 except BufferError:
                     self._producer.poll(_POLL_S)

@@ -46,8 +46,9 @@ class Request:
     spring_correlation_id: bytes | None = None
     deadline_ms: int | None = None
     reply_partition: int | None = None
-    """As the headers ask. The publisher's thread alone changes it later: dropped when the reply topic has no such
-    partition (``answers.ReplyPartitions``), or pinned for a keyless stream's chunks (``publisher``)."""
+    """As the headers ask. Changed later by a generative model's runner, which pins a keyless stream's partition at
+    its first chunk (``generations``), then by the publisher's thread alone: dropped when the reply topic has no
+    such partition (``answers.ReplyPartitions``)."""
     unroutable: bool = False
     """True when the record's headers could not be read at all, so nobody knows where its caller waits for a
     reply: only its dead letter answers it."""

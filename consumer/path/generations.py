@@ -1,4 +1,5 @@
-"""A generative model's requests, from admission to their final record: the Kafka side of continuous batching.
+"""A generative model's runner (``runner.Runner``): its requests, from admission to their final record, the Kafka
+side of continuous batching.
 
 A generative request skips the batcher and the stage threads. ``put`` (the poll thread) admits it to the engine,
 up to ``max_sequences`` requests at once and ``max_sequences_per_partition`` of one partition (so that one busy
@@ -7,8 +8,8 @@ pauses the partitions when too many wait. One drain thread then takes the engine
 (``GenerativeHandler.events``) and, for each request:
 
 - ``delta``: the text is buffered, and sent as a ``chat.completion.chunk`` record at once for the first, then every
-  ``stream_every_tokens`` tokens or ``stream_every_ms`` milliseconds (only for ``"stream": true``, and never under
-  exactly-once, where only the final is written, inside the transaction);
+  ``stream_every_tokens`` tokens or ``stream_every_ms`` milliseconds (only for ``"stream": true``, and only where
+  the delivery mode produces chunks: ``streams``, not exactly-once's), handed to the publisher (``stream``);
 - ``final``: the request's reply is the ``chat.completion`` (the whole text, ``usage``, ``finish_reason``), handed
   to the publisher as every reply is: its offset is committed only once that record is acknowledged;
 - ``error``: the usual error reply and dead letter;
@@ -16,7 +17,7 @@ pauses the partitions when too many wait. One drain thread then takes the engine
 
 Every record of a request carries its key, its correlation id and the headers ``kinference-event``,
 ``kinference-sequence`` (0, 1, 2... in one attempt) and ``kinference-attempt`` (new each time the request is
-generated), on one partition (``Publisher`` pins a keyless request's partition at its first chunk).
+generated), written by ``wire.openai``, on one partition (a keyless request's is pinned here at its first chunk).
 
 A request whose ``kinference-deadline-ms`` passes while it waits for a place is answered ``deadline_exceeded`` at
 its deadline (within a drain turn), and never reaches the engine; one whose deadline passes while it generates
@@ -38,21 +39,21 @@ import math
 import threading
 import time
 import uuid
+import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
-
-import orjson
+from typing import Protocol, cast
 
 from kinference.consumer.config import ServiceConfig
+from kinference.consumer.delivery.answers import StreamChunk
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.types import Headers, PartitionKey
+from kinference.consumer.types import PartitionKey
+from kinference.consumer.wire.openai import FinalFormat, Ids, chunk_value, completion_value, stream_headers
 from kinference.errors import RequestError
 from kinference.handlers.generative import Event, GenerativePort, Prompt
-from kinference.openai import chunk, completion
-from kinference.protocol import ATTEMPT, CORRELATION_ID, EVENT, SEQUENCE, ErrorCode, encode_error
+from kinference.protocol import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -64,17 +65,18 @@ MAX_ATTEMPTS = 3
 (a prompt that kills its device process must not restart it forever; the supervisor gives up after 5 quick deaths
 in a row)."""
 
-Answer = Callable[[list[Request]], None]
 
+class Outlet(Protocol):
+    """Where a generative model's records go (``delivery.publisher.Publisher``)."""
 
-@dataclass(frozen=True, slots=True)
-class StreamChunk:
-    """One ``chat.completion.chunk`` record, for the publisher: produced in order with its request's final, never
-    tracked for the commit (the final is what answers the request)."""
+    def submit(self, requests: list[Request]) -> None:
+        """Finished requests, each answered by its final (or its error reply)."""
 
-    request: Request
-    value: bytes
-    headers: Headers
+    def stream(self, chunks: Sequence[StreamChunk]) -> None:
+        """Stream chunks, produced before their requests' finals, as the delivery mode says."""
+
+    def reply_partitions(self, topic: str) -> int | None:
+        """The reply topic's partition count; None when the broker does not say."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +86,13 @@ class GenerationSettings:
     stream_every_tokens: int
     stream_every_s: float
     chunks: bool
-    """False under exactly-once: only the final record, inside the transaction."""
+    """Whether the delivery mode produces stream chunks (``DeliveryMode.streams``; exactly-once's does not): where
+    it does not, none is made, and the final is each request's only record (its sequence 0)."""
 
     @classmethod
-    def of(cls, config: ServiceConfig, max_sequences: int) -> GenerationSettings:
+    def of(cls, config: ServiceConfig, max_sequences: int, chunks: bool) -> GenerationSettings:
         return cls(max_sequences, min(max_sequences, config.max_sequences_per_partition), config.stream_every_tokens,
-                   config.stream_every_ms / 1000, config.delivery != "exactly-once")
+                   config.stream_every_ms / 1000, chunks)
 
 
 @dataclass(slots=True, eq=False)
@@ -99,8 +102,7 @@ class _Generation:
     request: Request
     prompt: Prompt
     attempt: str
-    ids: tuple[str, str, int]
-    """Completion id, model, created (epoch seconds): the same on each of its records."""
+    ids: Ids
     sequence: int = 0
     text: str = ""
     """Every delta's text so far: what a cancelled request's final carries."""
@@ -115,28 +117,16 @@ class _Generation:
     started: float = field(default_factory=time.monotonic)
 
 
-class ReplyFormat:
-    """The final record's headers (a ``types.ReplyFormat``); its error value is kinference's usual one."""
+class GenerativeRunner:
+    """The runner of one generative model: admission (``put``, the poll thread), its engine (``GenerativePort``, in
+    this process or the device process), and the drain thread that turns the engine's events into records
+    (``start``/``stop``)."""
 
-    def __init__(self, generation: _Generation) -> None:
-        self.value_headers: Headers = _stream_headers(generation, "final")
-
-    def response(self, result: Any) -> bytes:
-        return orjson.dumps(result)
-
-    def error(self, code: ErrorCode, message: str) -> bytes:
-        return encode_error(code, message)
-
-
-class Generations:
-    """The requests of one generative model; ``start``/``stop`` its drain thread."""
-
-    def __init__(self, name: str, handler: GenerativePort, answer: Answer,
-                 stream: Callable[[list[StreamChunk]], None], settings: GenerationSettings, metrics: Metrics) -> None:
+    def __init__(self, name: str, handler: GenerativePort, outlet: Outlet, settings: GenerationSettings,
+                 metrics: Metrics) -> None:
         self.name = name
         self._handler = handler
-        self._answer = answer
-        self._stream = stream
+        self._outlet = outlet
         self._settings = settings
         self._metrics = metrics
         self._lock = threading.Lock()
@@ -197,10 +187,10 @@ class Generations:
                 self._waiting.remove(request)
         for request in cancelled:
             generation = _Generation(request, _prompt(request), uuid.uuid4().hex[:16], self._ids())
-            self._answer([self._finish(generation, Event("", "cancelled",
+            self._outlet.submit([self._finish(generation, Event("", "cancelled",
                                                          prompt_tokens=len(generation.prompt.token_ids)))])
 
-    def _ids(self) -> tuple[str, str, int]:
+    def _ids(self) -> Ids:
         return f"chatcmpl-{uuid.uuid4().hex[:16]}", self.name, int(time.time())
 
     @property
@@ -210,6 +200,11 @@ class Generations:
     @property
     def in_progress(self) -> int:
         return len(self._running)
+
+    @property
+    def held(self) -> int:
+        """Waiting for a place, or generating: what counts against the model's share of ``max_in_flight``."""
+        return len(self._waiting) + len(self._running)
 
     def close(self) -> None:
         """Nothing more is put (the batcher's ``close``): the waiting requests stay, unanswered, for the next owner."""
@@ -240,7 +235,7 @@ class Generations:
         except Exception as exc:  # an engine that refuses one request fails that request alone
             request.fail(exc if isinstance(exc, RequestError) else
                          RequestError(f"the engine refused the request: {exc!r}", ErrorCode.HANDLER_ERROR))
-            self._answer([request])
+            self._outlet.submit([request])
             return
         request.dispatched = time.monotonic()
         self._running[request_id] = generation
@@ -263,7 +258,7 @@ class Generations:
                 self._lost.pop(request, None)
                 request.fail(RequestError("deadline passed before the request was computed",
                                           ErrorCode.DEADLINE_EXCEEDED))
-            self._answer(expired)
+            self._outlet.submit(expired)
         self._next_deadline_ms = min((request.deadline_ms for request in self._waiting
                                       if request.deadline_ms is not None), default=math.inf)
 
@@ -311,9 +306,10 @@ class Generations:
                     self._expire(time.time() * 1000)
                     self._admit()
                 if chunks:
-                    self._stream(chunks)
+                    self._pin(chunks)
+                    self._outlet.stream(chunks)
                 if answered:
-                    self._answer(answered)
+                    self._outlet.submit(answered)
                 self._observe(events)
         except BaseException as exc:  # a drain thread must never die silently: health says so
             self.crashed = repr(exc)
@@ -394,25 +390,36 @@ class Generations:
     def _chunk(self, generation: _Generation, now: float) -> list[StreamChunk]:
         if not generation.pending or not generation.prompt.stream or not self._settings.chunks:
             return []
-        value = orjson.dumps(chunk(generation.ids, generation.pending, first=generation.sequence == 0))
-        record = StreamChunk(generation.request, value, _stream_headers(generation, "delta"))
+        value = chunk_value(generation.ids, generation.pending, first=generation.sequence == 0)
+        headers = stream_headers(generation.request.correlation_id, "delta", generation.sequence, generation.attempt)
+        record = StreamChunk(generation.request, value, headers)
         generation.sequence += 1
         generation.pending, generation.pending_tokens, generation.last_sent = "", 0, now
         return [record]
+
+    def _pin(self, chunks: list[StreamChunk]) -> None:
+        """(The drain thread, outside the lock: it may ask the broker.) A keyless request's records all go to one
+        partition, chosen at its first chunk: the producer would spread records without a key over the partitions,
+        and a client reads one."""
+        for piece in chunks:
+            request = piece.request
+            if request.key is None and request.reply_partition is None:
+                count = self._outlet.reply_partitions(request.reply_topic) or 1
+                request.reply_partition = zlib.crc32(request.correlation_id.encode()) % count
 
     def _finish(self, generation: _Generation, event: Event) -> Request:
         request = generation.request
         self._lost.pop(request, None)
         if request.reply_format is None:
-            request.reply_format = ReplyFormat(generation)
+            request.reply_format = FinalFormat(generation.attempt, generation.sequence)
         if event.kind == "error":
             request.fail(RequestError(event.text, ErrorCode.HANDLER_ERROR))
             request.dead_letter = True
             return request
         reason = generation.ending or event.finish_reason or "cancelled"
         text = event.text if event.kind == "final" else generation.text
-        body = completion(generation.ids, text, reason, (event.prompt_tokens, event.completion_tokens))
-        request.reply_value = orjson.dumps(body)
+        request.reply_value = completion_value(generation.ids, text, reason,
+                                               (event.prompt_tokens, event.completion_tokens))
         request.inference_ms = (time.monotonic() - generation.started) * 1000
         return request
 
@@ -430,13 +437,6 @@ class Generations:
         use = self._handler.kv_cache_use
         if use is not None:
             self._metrics.labelled(self._metrics.kv_cache_use, self.name).set(use)
-
-
-def _stream_headers(generation: _Generation, kind: str) -> Headers:
-    """The final record gets its correlation id with the other reply headers (``answers.reply_headers``)."""
-    headers: Headers = [(CORRELATION_ID, generation.request.correlation_id.encode())] if kind == "delta" else []
-    return [*headers, (EVENT, kind.encode()), (SEQUENCE, str(generation.sequence).encode()),
-            (ATTEMPT, generation.attempt.encode())]
 
 
 def _prompt(request: Request) -> Prompt:

@@ -1,11 +1,12 @@
 """The served models: each request the intake takes in is admitted by its model's handler, then routed to that
-model's batcher, from which its stage threads (``stages``) take batches.
+model's runner (``runner.Runner``): a batch model's batcher and stage threads (``runner.BatchRunner``), or a
+generative model's engine (``generations.GenerativeRunner``), chosen once, here, when the model is built.
 
-Each served model (one by default, several with ``models``) has its own handler (one copy of the weights),
-batcher and stage threads; the source, the publisher, the commit ledger and the device are the process's. The
-decoder has already named each record's model (``router``). ``route`` hands a request to that model's batcher,
-unless that model already holds its share of ``max_in_flight``: then the request is answered ``overloaded`` at
-once. The partitions are shared, and pausing them for one slow or stuck model would hold up the others.
+Each served model (one by default, several with ``models``) has its own handler (one copy of the weights) and
+runner; the source, the publisher, the commit ledger and the device are the process's. The decoder has already named
+each record's model (``router``). ``route`` hands a request to that model's runner, unless that model already holds
+its share of ``max_in_flight``: then the request is answered ``overloaded`` at once. The partitions are shared, and
+pausing them for one slow or stuck model would hold up the others.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.admission import admit
 from kinference.consumer.path.batcher import Batcher
-from kinference.consumer.path.generations import Generations, GenerationSettings, StreamChunk
+from kinference.consumer.path.generations import GenerationSettings, GenerativeRunner
 from kinference.consumer.path.router import ModelRoute, Router
+from kinference.consumer.path.runner import BatchRunner, Runner
 from kinference.consumer.path.stages import Inference, InProcessInference, ModelRun, Pipeline
 from kinference.consumer.types import PartitionKey, Route
 from kinference.consumer.wire.oip import ServedModel as OipModel
@@ -45,13 +47,11 @@ log = logging.getLogger(__name__)
 
 Answer = Callable[[list[Request]], None]
 """Hands finished requests on to be answered (``Publisher.submit``)."""
-Stream = Callable[[list[StreamChunk]], None]
-"""Hands stream chunks of generative requests on to be produced (``Publisher.stream``)."""
 
 
 @dataclass(eq=False)
 class LoadedModel:
-    """One served model: its settings, its handler, its route, its batcher and its stage threads."""
+    """One served model: its settings, its handler, its route and its runner."""
 
     config: ServiceConfig
     """The service's settings with this model's own in place (``ServiceConfig.for_model``)."""
@@ -59,11 +59,9 @@ class LoadedModel:
     """How its batches run: its settings', with a device process's inference threads in place."""
     handler: Handler
     route: ModelRoute
-    batcher: Batcher | Generations
-    pipeline: Pipeline | Generations
-    """A generative model's ``Generations`` is both: it takes requests one by one and runs its engine's events."""
+    runner: Runner
     max_in_flight: int | None
-    """With several models, the most requests this model may hold (waiting in its batcher or in its stages);
+    """With several models, the most requests this model may hold (``Runner.held``);
     None with one model, where flow control's pause is the only bound."""
 
     @property
@@ -74,7 +72,7 @@ class LoadedModel:
         """Why a new request for this model is refused at once: it holds its share of ``max_in_flight``."""
         if self.max_in_flight is None:
             return None
-        held = self.batcher.waiting + self.pipeline.in_progress
+        held = self.runner.held
         if held < self.max_in_flight:
             return None
         return RequestError(f"model {self.name!r} is saturated: {held} of its requests are in flight, its share of "
@@ -83,8 +81,8 @@ class LoadedModel:
 
 class Models:
     """The process's served models, the default (first) one first. Their handlers are made here and load their
-    weights in ``setup``, before Kafka is touched; ``build`` makes each model's batcher and stages once there is a
-    publisher to answer through."""
+    weights in ``setup``, before Kafka is touched; ``build`` makes each model's runner once there is a publisher to
+    answer through."""
 
     def __init__(self, config: ServiceConfig, handler: Handler | None = None) -> None:
         """``handler``: a handler object to serve instead of the one ``config.handler`` names (one model only)."""
@@ -121,15 +119,14 @@ class Models:
                                          hang_s=hang_limit(settings.device_hang_s)))
 
     def build(self, publisher: Publisher, metrics: Metrics, tracing: Tracing | None) -> Router:
-        """Each model's route, batcher and stage threads (not started); returns the router over their routes. The
-        ``publisher`` takes the requests each model finishes, and those refused at once (``submit``), and the
-        chunks of generative models (``stream``)."""
-        answer, stream = publisher.submit, publisher.stream
-        self._answer = answer
+        """Each model's route and runner (not started), the runner chosen by its handler, once; returns the router
+        over their routes. The ``publisher`` takes the requests each model finishes, and those refused at once
+        (``submit``), and the chunks of generative models (``stream``)."""
+        self._answer = answer = publisher.submit
         share = max(1, self._config.max_in_flight // len(self.handlers)) if len(self.handlers) > 1 else None
         for settings, handler in self.handlers:
             if isinstance(handler, GenerativeHandler):
-                model = self._build_generative(settings, handler, answer, stream, metrics)
+                model = self._build_generative(settings, handler, publisher, metrics)
             else:
                 model = self._build(settings, handler, answer, metrics, tracing)
             model.max_in_flight = share
@@ -155,10 +152,10 @@ class Models:
             inference = DeviceInference(self._link, name)
         pipeline = Pipeline(ModelRun(name, handler, batching, inference), batcher, answer, metrics, tracing)
         route = ModelRoute(name, settings.model_version, handler.payload_format, served)
-        return LoadedModel(settings, batching, handler, route, batcher, pipeline, max_in_flight=None)
+        return LoadedModel(settings, batching, handler, route, BatchRunner(batcher, pipeline), max_in_flight=None)
 
-    def _build_generative(self, settings: ServiceConfig, handler: GenerativeHandler, answer: Answer,
-                          stream: Stream, metrics: Metrics) -> LoadedModel:
+    def _build_generative(self, settings: ServiceConfig, handler: GenerativeHandler, publisher: Publisher,
+                          metrics: Metrics) -> LoadedModel:
         """A generative model skips the batcher and the stages: its engine batches per decoding step, in this
         process or, with a device process, there (``worker_engine_link``): once for every worker."""
         name = served_name(settings, handler)
@@ -166,18 +163,18 @@ class Models:
         if self._link is not None and handler.device_process:
             port = EngineLink(self._link.path, name, settings.device_wait_s)
             self._engine_links.append(port)
-        generations = Generations(name, port, answer, stream,
-                                  GenerationSettings.of(settings, handler.max_sequences), metrics)
+        runner = GenerativeRunner(name, port, publisher,
+                                  GenerationSettings.of(settings, handler.max_sequences, publisher.streams), metrics)
         route = ModelRoute(name, settings.model_version, handler.payload_format, None)
-        return LoadedModel(settings, settings.batching, handler, route, generations, generations, max_in_flight=None)
+        return LoadedModel(settings, settings.batching, handler, route, runner, max_in_flight=None)
 
     def start(self, metrics: Metrics) -> None:
-        """Start every model's stage threads; returns once their inference threads warmed the models up (and the
-        device process serves the generative models that run there)."""
+        """Start every model's runner; returns once their inference threads warmed the models up (and the device
+        process serves the generative models that run there)."""
         for link in self._engine_links:
             link.connect()
         for model in self.loaded:
-            model.pipeline.start()
+            model.runner.start()
             metrics.model.labels(model.name).info(_info_labels(model.handler.describe()))
             batching = model.batching
             log.info("model %s ready: %s; batching: %s policy, max_batch_size=%d, max_batch_delay_ms=%g, "
@@ -199,21 +196,20 @@ class Models:
             admit(self._by_name[name].handler, some)
 
     def route(self, request: Request) -> None:
-        """To its model's batcher, without waking its stages (``wake``); or, failed or refused, straight to its
-        answer."""
+        """To its model's runner, without waking it (``wake``); or, failed or refused, straight to its answer."""
         if request.ok:
             model = self._by_name[_routed(request).name]
             refusal = model.saturation()
             if refusal is None:
-                model.batcher.put(request, wake=False)  # ``wake`` after the poll's last request
+                model.runner.put(request, wake=False)  # ``wake`` after the poll's last request
                 return
             request.fail(refusal)
         self.answer_now(request)
 
     def wake(self) -> None:
-        """The poll's requests are all routed: each model's stages look at what waits, once for all of them."""
+        """The poll's requests are all routed: each model's runner looks at what waits, once for all of them."""
         for model in self.loaded:
-            model.batcher.wake()
+            model.runner.wake()
 
     def answer_now(self, request: Request) -> None:
         """A request that will not be computed (bad record, expired deadline, refused) goes straight to its reply."""
@@ -222,41 +218,39 @@ class Models:
         self._answer([request])
 
     def cancel(self, correlation_id: str) -> None:
-        """A cancel from the control topic (``control``), to every generative model: the one holding it stops it."""
+        """A cancel from the control topic (``control``), to every model: the one holding it stops it."""
         for model in self.loaded:
-            if isinstance(model.batcher, Generations):
-                model.batcher.cancel(correlation_id)
+            model.runner.cancel(correlation_id)
 
     def discard(self, partitions: list[PartitionKey]) -> list[Request]:
-        """The requests of revoked partitions that no model has started on, out of every model's batcher."""
-        return [request for model in self.loaded for request in model.batcher.discard(partitions)]
+        """The requests of revoked partitions that no model has computed yet, out of every model's runner."""
+        return [request for model in self.loaded for request in model.runner.discard(partitions)]
 
     # --- health and stop
 
     def health_checks(self) -> dict[str, bool]:
         """One check per model, named after it: an orchestrator's log of the failed probe says which model hung."""
-        return {f"model {model.name}": model.pipeline.healthy for model in self.loaded}
+        return {f"model {model.name}": model.runner.healthy for model in self.loaded}
 
     def problems(self) -> list[str]:
         return list(self.explained().values())
 
     def explained(self) -> dict[str, str]:
         """Why each failing check of ``health_checks`` fails, by its name (the body of a red ``/healthz``)."""
-        return {f"model {model.name}": stuck for model in self.loaded if (stuck := model.pipeline.stuck) is not None}
+        return {f"model {model.name}": stuck for model in self.loaded if (stuck := model.runner.stuck) is not None}
 
     def replacing(self) -> set[str]:
         """The checks of ``health_checks`` that are red while their model replaces its engine by itself: the process
         goes on meanwhile."""
-        return {f"model {model.name}" for model in self.loaded
-                if isinstance(model.pipeline, Generations) and model.pipeline.replacing}
+        return {f"model {model.name}" for model in self.loaded if model.runner.replacing}
 
     def stop(self, stages_by: float) -> None:
-        """Close the batchers and stop the stages by ``stages_by`` (``time.monotonic()``): idle stages stop within
-        a poll interval, busy ones get until then. A model whose stage threads stopped is closed; one still busy
-        (a handler call that does not return) is left running, its ``handler.close`` skipped."""
+        """Close the runners and stop their threads by ``stages_by`` (``time.monotonic()``): idle ones stop within a
+        poll interval, busy ones get until then. A model whose threads stopped is closed; one still busy (a handler
+        call that does not return) is left running, its ``handler.close`` skipped."""
         for model in self.loaded:
-            model.batcher.close()
-        self._busy = [model for model in self.loaded if not model.pipeline.stop(max(0.0, stages_by - time.monotonic()))]
+            model.runner.close()
+        self._busy = [model for model in self.loaded if not model.runner.stop(max(0.0, stages_by - time.monotonic()))]
 
     def close(self) -> None:
         """Close the handlers whose stages stopped (after ``stop``, once nothing more is published)."""

@@ -6,7 +6,7 @@ last one ended):
 
 - ``continuous batching``: the ``generate`` handler's engine (transformers' ``ContinuousBatchingManager``), fed the way
   the service feeds it: requests submitted from the callers' threads (the service's poll thread), events drained by
-  one thread (the service's ``Generations``);
+  one thread (the service's ``GenerativeRunner``);
 - ``per-request generate()``: one ``model.generate()`` call per request, one after another;
 - ``static batches of 8 (50 ms)``: ``generate()`` on left-padded batches of up to 8 requests, collected for up to 50
   ms (TorchServe-style);
@@ -214,7 +214,7 @@ def _generate(model: Any, tokenizer: Any, max_tokens: int, jobs: list[Job]) -> N
 
 def continuous(handler: Any, max_tokens: int) -> InProcess:
     """The engine as the service drives it: each request submitted at once from its caller's thread (the poll
-    thread's ``Generations.put``), its events drained by one thread (``Generations``' drain thread)."""
+    thread's ``GenerativeRunner.put``), its events drained by one thread (``GenerativeRunner``'s drain thread)."""
     running: dict[str, tuple[Trace, threading.Event]] = {}
     lock = threading.Lock()
 

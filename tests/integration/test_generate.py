@@ -160,3 +160,22 @@ def test_loadgen_generative_reports_tokens_time_to_first_chunk_and_finished_coun
         assert 0 < ttfc["p50"] <= ttfc["max"] < run["latency_ms"]["max"]
     assert any(run["generation"]["between_chunks_ms"]["p50"] for run in runs)  # chunks of 2 tokens: several a request
     assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_under_exactly_once_a_stream_is_its_final_alone_in_the_transaction(broker, tmp_path):
+    """The delivery mode decides which records a generation writes (issue 37): exactly-once's makes no chunks, so a
+    ``"stream": true`` request gets one record, its final, sequence 0, committed with its offset."""
+    topics = broker.topics(requests=1, replies=2, dead=1)
+    model_dir = build_tiny_causal_lm(tmp_path / "lm")
+    body = orjson.dumps({"prompt": "the cat sat", "max_tokens": 12, "temperature": 0, "stream": True})
+    config = service_config(broker.bootstrap_servers, topics, handler="generate", model=model_dir,
+                            handler_options={"decoding": "greedy"}, delivery="exactly-once", commit_interval_ms=100,
+                            stream_every_tokens=1)
+    with Service(config) as service:
+        assert service.wait_ready(60)
+        produce(broker.bootstrap_servers, topics["requests"], [(None, body, [(protocol.CORRELATION_ID, b"eo")])])
+        (final,) = read(broker.bootstrap_servers, topics["replies"], 1, timeout_s=60, settle_s=2,
+                        **{"isolation.level": "read_committed"})
+    headers = headers_of(final)
+    assert (headers[protocol.EVENT], headers[protocol.SEQUENCE]) == (b"final", b"0")
+    assert orjson.loads(final.value())["object"] == "chat.completion"

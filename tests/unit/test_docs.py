@@ -254,33 +254,65 @@ def test_the_flow_diagram_follows_a_request_through_each_module_once_and_never_b
         assert not back, f"{module} reaches back to {sorted(back)}, before it on the request's path"
 
 
-def built_service(delivery: str):
-    """What ``Service._build`` wires for ``delivery``, nothing started (no broker: a client connects once used)."""
+def built_service(delivery: str, handler=None, device_socket: Path | None = None):
+    """What ``Service._build`` wires for ``delivery``, nothing started (no broker: a client connects once used; nor
+    a device process: its link connects once used). ``handler``: a handler object to serve instead of ``echo``."""
     from kinference.consumer.config import ServiceConfig
     from kinference.consumer.service import Service
 
     config = ServiceConfig(request_topics=["requests"], handler="echo", delivery=delivery, transactional_id="tid",
                            bootstrap_servers="127.0.0.1:9")
-    service = Service(config)
-    service.models.setup("cpu", service.metrics, None, None)
+    service = Service(config, handler, device_socket=device_socket)
+    service.models.setup("cpu", service.metrics, None, service._link)
     publisher, source = service._build(config)
     return service, publisher, source
 
 
 def handed_on(service, publisher, source) -> list[tuple[str, object]]:
     """The objects a request goes through, each found from the one before it in what the service built (not from
-    the diagram): the source's intake, its decoder and the models it routes to, a model's batcher, the stage
-    threads that pull from it, the publisher they hand finished requests to, and its delivery mode."""
+    the diagram): the source's intake, its decoder and the models it routes to, the model's runner, what it runs
+    (a batch model's batcher and the stage threads that pull from it), the publisher it hands finished requests to,
+    and its delivery mode."""
     intake = source._intake
     (model,) = service.models.loaded
-    pipeline = model.pipeline
-    assert intake._models is service.models and pipeline._batches is model.batcher
-    # Bound methods, so that where they go is an object, not a closure over the wiring.
-    assert pipeline._emit.__self__ is publisher and service.models._answer.__self__ is publisher
-    assert model.batcher._reject.__self__ is publisher  # what the batcher refuses goes straight to its answer
+    runner = model.runner
+    assert intake._models is service.models and service.models._answer.__self__ is publisher
     return [("source", source), ("intake", intake), ("request", intake._decoder), ("models", intake._models),
-            ("batcher", model.batcher), ("stages", pipeline), ("publisher", pipeline._emit.__self__),
-            ("delivery", publisher._delivery)]
+            ("runner", runner), *runs(runner, publisher), ("delivery", publisher._delivery)]
+
+
+def runs(runner, publisher) -> list[tuple[str, object]]:
+    """What a model's runner hands a request through, down to the publisher."""
+    if not hasattr(runner, "batcher"):  # a generative runner hands its records to the publisher itself
+        assert runner._outlet is publisher
+        return [("publisher", runner._outlet)]
+    pipeline = runner.pipeline
+    assert pipeline._batches is runner.batcher
+    # Bound methods, so that where they go is an object, not a closure over the wiring.
+    assert pipeline._emit.__self__ is publisher
+    assert runner.batcher._reject.__self__ is publisher  # what the batcher refuses goes straight to its answer
+    return [("batcher", runner.batcher), ("stages", pipeline), ("publisher", pipeline._emit.__self__)]
+
+
+def diagram_path(mode: str, generative: bool = False) -> list[str]:
+    """README's path for one delivery mode; a generative model's runner (``generations``) in place of the runner,
+    batcher and stages of a batch model's."""
+    modes = {"delivery.at_least_once", "delivery.exactly_once"}
+    path = [module for module in request_path() if module not in modes - {f"delivery.{mode}"}]
+    if generative:
+        start = path.index("path.runner")
+        path[start:path.index("path.stages") + 1] = ["path.generations"]
+    return path
+
+
+def built_modules(chain: list[tuple[str, object]]) -> list[str]:
+    return [type(obj).__module__.removeprefix("kinference.consumer.") for _, obj in chain]
+
+
+def close_clients(service, publisher, source) -> None:
+    """The clients Service made: their threads and connection attempts end here."""
+    source._consumer.close()
+    publisher._producer = service.lag._admin = None
 
 
 @pytest.mark.parametrize(("delivery", "mode"), [("at-least-once", "at_least_once"), ("exactly-once", "exactly_once")])
@@ -292,10 +324,8 @@ def test_the_service_wires_a_request_s_path_in_the_flow_diagram_s_order(delivery
 
     service, publisher, source = built_service(delivery)
     try:
-        modes = {"delivery.at_least_once", "delivery.exactly_once"}
-        path = [module for module in request_path() if module not in modes - {f"delivery.{mode}"}]
-        chain = handed_on(service, publisher, source)
-        modules = [type(obj).__module__.removeprefix("kinference.consumer.") for _, obj in chain]
+        path = diagram_path(mode)
+        modules = built_modules(handed_on(service, publisher, source))
         assert modules == path, f"Service builds {modules}; the diagram says {path}"
         # The ledger the intake tracks each request in is the one the delivery mode hands it back to, answered, and
         # the one the mode's poll-thread side commits from (exactly-once: the two sides share their transactions).
@@ -307,6 +337,54 @@ def test_the_service_wires_a_request_s_path_in_the_flow_diagram_s_order(delivery
             assert delivery_mode._ledger is tracker and isinstance(commits, OffsetCommits)
         assert commits._tracker is tracker
         assert source.rebalance._commits is commits
-    finally:  # the clients Service made: their threads and connection attempts end here
-        source._consumer.close()
-        publisher._producer = service.lag._admin = None
+    finally:
+        close_clients(service, publisher, source)
+
+
+@pytest.mark.parametrize(("delivery", "mode"), [("at-least-once", "at_least_once"), ("exactly-once", "exactly_once")])
+def test_a_generative_model_s_runner_hands_its_records_to_the_publisher_of_the_diagram(delivery, mode):
+    """Issue 37, item 4: a generative model's requests go from the models to its runner (``generations``), which
+    hands its chunks and finals to the publisher, and makes chunks only where the delivery mode produces them."""
+    from tests.unit.test_generations import ScriptedEngine
+
+    service, publisher, source = built_service(delivery, ScriptedEngine())
+    try:
+        path = diagram_path(mode, generative=True)
+        modules = built_modules(handed_on(service, publisher, source))
+        assert modules == path, f"Service builds {modules}; the diagram says {path}"
+        (model,) = service.models.loaded
+        assert model.runner._settings.chunks is publisher._delivery.streams is (mode == "at_least_once")
+    finally:
+        close_clients(service, publisher, source)
+
+
+def test_a_device_linked_model_s_stages_run_its_inference_through_the_device_process_s_link(tmp_path):
+    """Issue 37, item 4: a handler that runs in a device process gets the batch path of the diagram, with its
+    inference through the service's one link to the device process (one inference thread per micro-batch there)."""
+    from kinference.consumer.accelerator.worker_link import DeviceInference
+    from kinference.handlers.echo import EchoHandler
+
+    class DeviceEcho(EchoHandler):
+        device_process = True
+
+    service, publisher, source = built_service("at-least-once", DeviceEcho(), device_socket=tmp_path / "device.sock")
+    try:
+        modules = built_modules(handed_on(service, publisher, source))
+        assert modules == diagram_path("at_least_once")
+        (model,) = service.models.loaded
+        port = model.runner.pipeline._inference_port
+        assert service._link is not None and isinstance(port, DeviceInference) and port._link is service._link
+        assert model.batching.parallelism.inference == service.config.device_in_flight
+    finally:
+        close_clients(service, publisher, source)
+
+
+def test_without_a_device_process_a_model_runs_its_inference_here():
+    from kinference.consumer.path.stages import InProcessInference
+
+    service, publisher, source = built_service("at-least-once")
+    try:
+        (model,) = service.models.loaded
+        assert service._link is None and isinstance(model.runner.pipeline._inference_port, InProcessInference)
+    finally:
+        close_clients(service, publisher, source)

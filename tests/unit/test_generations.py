@@ -1,19 +1,22 @@
-"""The Kafka side of generation (consumer/path/generations.py) against a scripted engine: admission caps per model and
-per partition, chunk coalescing, the final's chat.completion, deadlines, revokes, exactly-once without chunks."""
+"""The generative runner (consumer/path/generations.py) against a scripted engine: admission caps per model and per
+partition, chunk coalescing, the final's chat.completion, a keyless stream on one partition, deadlines, revokes, no
+chunks where the delivery mode produces none."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
+import zlib
 from typing import Any
 
 import orjson
 import pytest
 
+from kinference.consumer.delivery.answers import StreamChunk, answer
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path.generations import Generations, GenerationSettings, StreamChunk
+from kinference.consumer.path.generations import GenerationSettings, GenerativeRunner
 from kinference.handlers.generative import SERVING, EngineHealth, Event, GenerativeHandler, Prompt, Sampling
 from kinference.protocol import ATTEMPT, EVENT, SEQUENCE, ErrorCode
 from tests.fakes import make_request, wait_for
@@ -66,24 +69,30 @@ def engine() -> ScriptedEngine:
 
 
 class Outbox:
-    def __init__(self) -> None:
+    """The publisher, as a generative runner hands its records on (``generations.Outlet``)."""
+
+    def __init__(self, reply_partitions: int | None = 6) -> None:
         self.chunks: list[StreamChunk] = []
         self.answered: list[Request] = []
         self.lock = threading.Lock()
+        self._reply_partitions = reply_partitions
 
     def stream(self, chunks: list[StreamChunk]) -> None:
         with self.lock:
             self.chunks += chunks
 
-    def answer(self, requests: list[Request]) -> None:
+    def submit(self, requests: list[Request]) -> None:
         with self.lock:
             self.answered += requests
 
+    def reply_partitions(self, _topic: str) -> int | None:
+        return self._reply_partitions
 
-def generations(engine: ScriptedEngine, outbox: Outbox, **overrides: Any) -> Generations:
+
+def generations(engine: ScriptedEngine, outbox: Outbox, **overrides: Any) -> GenerativeRunner:
     settings = {"max_sequences": 4, "max_sequences_per_partition": 2, "stream_every_tokens": 3,
                 "stream_every_s": 60.0, "chunks": True, **overrides}
-    return Generations("lm", engine, outbox.answer, outbox.stream, GenerationSettings(**settings), Metrics())
+    return GenerativeRunner("lm", engine, outbox, GenerationSettings(**settings), Metrics())
 
 
 def request(partition: int = 0, stream: bool = True, deadline_ms: int | None = None) -> Request:
@@ -170,7 +179,7 @@ def test_a_revoke_cancels_its_generations_and_answers_none(engine: ScriptedEngin
         gens.stop(2.0)
 
 
-def test_no_chunks_without_stream_or_under_exactly_once(engine: ScriptedEngine) -> None:
+def test_no_chunks_without_stream_or_where_the_delivery_mode_produces_none(engine: ScriptedEngine) -> None:
     for stream, chunks in ((False, True), (True, False)):
         outbox = Outbox()
         gens = generations(engine, outbox, chunks=chunks)
@@ -183,6 +192,28 @@ def test_no_chunks_without_stream_or_under_exactly_once(engine: ScriptedEngine) 
         finally:
             gens.stop(2.0)
         assert outbox.chunks == [] and orjson.loads(req.reply_value)["choices"][0]["message"]["content"] == "one two"
+
+
+def test_a_keyless_stream_goes_to_one_partition_the_runner_pins_at_its_first_chunk(engine: ScriptedEngine) -> None:
+    """The producer spreads keyless records over the partitions: the runner picks one for all of the request's."""
+    outbox = Outbox(reply_partitions=6)
+    gens = generations(engine, outbox)
+    keyless, keyed, asked = request(partition=0), request(partition=1), request(partition=2)
+    keyed.key, asked.reply_partition = b"k", 2
+    for req in (keyless, keyed, asked):
+        gens.put(req)
+    gens.start()
+    try:
+        for request_id in engine.submitted:
+            engine.step(request_id, "one two three four", final=True)
+        assert wait_for(lambda: len(outbox.answered) == 3)
+    finally:
+        gens.stop(2.0)
+    assert keyless.reply_partition == zlib.crc32(keyless.correlation_id.encode()) % 6
+    assert (keyed.reply_partition, asked.reply_partition) == (None, 2)  # a key, or the client's own choice
+    for req in (keyless, keyed, asked):
+        (final,) = answer(req, "dead-letters", 0.0)
+        assert {piece.record[4] for piece in outbox.chunks if piece.request is req} == {final.record[4]}
 
 
 def test_an_engine_error_fails_that_request_alone_with_a_dead_letter(engine: ScriptedEngine) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import KafkaError, TopicPartition
 
+from kinference.consumer.delivery.answers import StreamChunk
 from kinference.consumer.delivery.at_least_once import AtLeastOnce
 from kinference.consumer.delivery.exactly_once import ExactlyOnce
 from kinference.consumer.delivery.publisher import Publisher, PublishSettings
@@ -16,7 +17,7 @@ from kinference.consumer.ledger.commit import OffsetTracker
 from kinference.consumer.ledger.commits import Transactions
 from kinference.consumer.ops.metrics import Metrics
 from kinference.errors import RequestError
-from kinference.protocol import ERROR_CODE, ErrorCode, encode_result
+from kinference.protocol import ERROR_CODE, EVENT, ErrorCode, encode_result
 from tests.fakes import FakeProducer, make_request, wait_for
 
 P0 = ("requests", 0)
@@ -171,6 +172,23 @@ def test_a_record_whose_headers_cannot_be_read_is_answered_by_its_dead_letter_on
 
 
 # --- at-least-once: refused records retried one by one, and a dead producer replaced
+
+
+def test_stream_chunks_go_out_before_their_final_only_where_the_delivery_mode_streams(mode):
+    """Issue 37: a generative request's chunks go through the delivery mode like its final. At-least-once produces
+    them as they come; exactly-once none (a transactional producer writes only inside a transaction)."""
+    harness = Harness(mode, [FakeProducer])
+    request = harness.request(0, reply_partition=1)
+    harness.publisher.stream([StreamChunk(request, b"chunk", [(EVENT, b"delta")])])
+    harness.publisher.submit([request])
+    assert wait_for(lambda: harness.durable == 1)
+    harness.stop()
+    streams = mode == AT_LEAST_ONCE
+    assert harness.publisher.streams is streams
+    produced = [message for producer in FakeProducer.instances for message in producer.delivered]
+    records = [(m.value(), m.partition(), dict(m.headers()).get(EVENT)) for m in produced]
+    final = (encode_result({"x": 0}), 1, None)
+    assert records == ([(b"chunk", 1, b"delta"), final] if streams else [final])
 
 
 def test_transient_failures_past_the_retry_timeout_stop_the_service():
