@@ -1,10 +1,11 @@
 """Intake: one fetch's records into requests, for either source (``source`` for consumer groups, ``share`` for
 share groups).
 
-In passes over the fetch, each record in order: track them all (``ledger.commit.OffsetTracker``, or
+In passes over the fetch, its records in order: track them all (``ledger.commit.OffsetTracker``, or
 ``ledger.share.ShareLedger``; one lock for the fetch) before anything that can fail, decode each (a record that
-cannot be read becomes a request with an error, never an exception), then admit the fetch's readable requests together (the handler validates and prices them, one call for
-all) and route each on. Whatever a record does, the intake goes on with the next one.
+cannot be read becomes a request with an error, never an exception), then admit the fetch's readable requests
+together (the handler validates and prices them, one call for all) and route each on. Whatever a record does, the
+intake goes on with the next one.
 """
 
 from __future__ import annotations
