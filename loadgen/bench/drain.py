@@ -25,8 +25,9 @@ Reported for each: messages per second; CPU time per message (the contender's pr
 the drain, librdkafka's threads and a supervisor's workers included), and the broker's beside it (the embedded
 broker is a child process of the drain); where the time goes (a py-spy sampling profile of the contender,
 its active samples summarised per stage, as thread-microseconds per message, and the stages summed into the parts
-of a message's way, ``PARTS``: the per-stage table); and for ``sim`` the simulated device's busy fraction. Kafka settings as in ``kinference bench``; commits every 100 ms for every contender,
-so that the end of a drain is seen within that.
+of a message's way, ``PARTS``: the per-stage table); and for ``sim`` the simulated device's busy fraction. Kafka
+settings as in ``kinference bench``; commits every 100 ms for every contender, so that the end of a drain is seen
+within that.
 """
 
 from __future__ import annotations
