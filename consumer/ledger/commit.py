@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from confluent_kafka import TopicPartition
@@ -130,33 +130,46 @@ class OffsetTracker:
             return list(self._ledgers)
 
     def track(self, key: PartitionKey, offset: int) -> PartitionLedger | None:
-        """Register a consumed record; it counts as in flight until ``finish`` or ``abandon``.
+        """Register one consumed record (``track_fetch`` of one)."""
+        return self.track_fetch([(key, offset)])[0]
 
-        None (and not registered) when its partition is not assigned to this member: a record fetched before a
-        revoke can still come out of the same ``consume()`` call that ran the revoke. Serving it would answer a
-        request the next owner also serves, and commit a partition this member no longer owns; the caller drops it.
+    def track_fetch(self, records: Sequence[tuple[PartitionKey, int]]) -> list[PartitionLedger | None]:
+        """Register one fetch's consumed records, in the order consumed, under one lock; each one's ledger. A record
+        counts as in flight until ``finish`` or ``abandon``.
+
+        None (and not registered) for a record whose partition is not assigned to this member: a record fetched
+        before a revoke can still come out of the same ``consume()`` call that ran the revoke. Serving it would
+        answer a request the next owner also serves, and commit a partition this member no longer owns; the caller
+        drops it.
 
         A record at or below the last one tracked means the consumer went back (kinference never seeks back: a
         truncated log, or ``auto.offset.reset`` after an out-of-range offset). Dropping it, as a redelivery, would
         skip the records that are there now, and never commit them; instead the partition gets a new ledger that
         starts at it (the old one is detached, as on a revoke: its late answers move no commit), and it is logged.
         """
+        ledgers: list[PartitionLedger | None] = []
+        rewinds = []
         with self._cond:
-            ledger = self._ledgers.get(key)
-            if ledger is None:
-                return None
-            rewound = offset <= ledger.last_tracked
-            if rewound:
-                old, ledger = ledger, PartitionLedger(key)
-                old.attached = False
-                self._ledgers[key] = ledger
-                self._committed.pop(key, None)
-            ledger.track(offset)
-        if rewound:
+            for key, offset in records:
+                ledger = self._ledgers.get(key)
+                if ledger is not None and offset <= ledger.last_tracked:
+                    rewinds.append((ledger, offset))
+                    ledger = self._restart(key)
+                if ledger is not None:
+                    ledger.track(offset)
+                ledgers.append(ledger)
+        for old, offset in rewinds:
             log.warning("%s[%d]: the consumer went back from offset %d to %d (a truncated log, or auto.offset.reset "
                         "after an out-of-range offset); the partition's ledger restarts there, and %d requests in "
-                        "flight before it no longer move its commit position", key[0], key[1], old.last_tracked,
-                        offset, old.in_flight)
+                        "flight before it no longer move its commit position", old.key[0], old.key[1],
+                        old.last_tracked, offset, old.in_flight)
+        return ledgers
+
+    def _restart(self, key: PartitionKey) -> PartitionLedger:
+        """A new ledger for ``key``, the old one detached (the lock held)."""
+        self._ledgers[key].attached = False
+        ledger = self._ledgers[key] = PartitionLedger(key)
+        self._committed.pop(key, None)
         return ledger
 
     def passed(self, positions: Iterable[tuple[PartitionKey, int]]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from enum import IntEnum
 
 from kinference.consumer.ledger.request import Request
@@ -56,10 +56,11 @@ class ShareLedger:
         self._acquired: set[tuple[str, int, int]] = set()
         self._outcomes: list[Acknowledgement] = []
 
-    def track(self, key: PartitionKey, offset: int) -> ShareRecord:
+    def track_fetch(self, records: Sequence[tuple[PartitionKey, int]]) -> list[ShareRecord]:
+        """Register one fetch's acquired records under one lock."""
         with self._cond:
-            self._acquired.add((key[0], key[1], offset))
-        return _RECORD
+            self._acquired.update((key[0], key[1], offset) for key, offset in records)
+        return [_RECORD] * len(records)
 
     def finish(self, requests: Iterable[Request]) -> None:
         """These records are answered: a reply is accepted, an error reply (with its dead letter) rejected."""

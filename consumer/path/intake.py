@@ -1,10 +1,11 @@
 """Intake: one fetch's records into requests, for either source (``source`` for consumer groups, ``share`` for
 share groups).
 
-For each record, in order: track it (``ledger.commit.OffsetTracker``, or ``ledger.share.ShareLedger``) before
-anything that can fail, decode it (a record that cannot be read becomes a request with an error, never an
-exception), then admit the fetch's readable requests together (the handler validates and prices them, one call for
-all) and route each on. Whatever a record does, the intake goes on with the next one.
+In passes over the fetch, its records in order: track them all (``ledger.commit.OffsetTracker``, or
+``ledger.share.ShareLedger``; one lock for the fetch) before anything that can fail, decode each (a record that
+cannot be read becomes a request with an error, never an exception), then admit the fetch's readable requests
+together (the handler validates and prices them, one call for all) and route each on. Whatever a record does, the
+intake goes on with the next one.
 """
 
 from __future__ import annotations
@@ -55,20 +56,26 @@ class Intake(Generic[TrackerT]):
         return discarded
 
     def take(self, records: list[Any], on_error: Callable[[Any], None]) -> None:
-        """Take in one fetch's records; ``on_error`` gets each consume error the fetch carried."""
+        """Take in one fetch's records, in passes over the fetch; ``on_error`` gets each consume error it carried."""
         received = time.monotonic()
-        requests = []
+        consumed = []
         for record in records:
             error = record.error()
-            if error is not None:
+            if error is None:
+                consumed.append(record)
+            else:
                 on_error(error)
-                continue
-            key, offset = (record.topic(), record.partition()), record.offset()
-            ledger = self.tracker.track(key, offset)
+        # Every record tracked first, one lock for the fetch: reading its coordinates cannot fail.
+        ledgers = self.tracker.track_fetch([((record.topic(), record.partition()), record.offset())
+                                            for record in consumed])
+        decode = self._decoder.decode
+        requests = []
+        for record, ledger in zip(consumed, ledgers, strict=True):
             if ledger is None:
-                log.debug("dropped %s[%d] offset %d: partition not owned, or already consumed", *key, offset)
+                log.debug("dropped %s[%d] offset %d: partition not owned", record.topic(), record.partition(),
+                          record.offset())
                 continue
-            request = self._decoder.decode(record, received)  # never raises: a bad record is a request with an error
+            request = decode(record, received)  # never raises: a bad record is a request with an error
             request.ledger = ledger
             requests.append(request)
         self.budget.charge(requests)

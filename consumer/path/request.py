@@ -89,7 +89,6 @@ class RequestDecoder:
             request.timestamp_ms = _timestamp(record)
             request.headers = _headers(record, request)
             self._read_headers(request)
-            self._check_header_size(request.headers)
             if request.key_omitted is not None:
                 raise RequestError(f"request key is {request.key_omitted} bytes; max_key_bytes is "
                                    f"{self.max_key_bytes} (the answers go without it)", ErrorCode.PAYLOAD_TOO_LARGE)
@@ -143,7 +142,8 @@ class RequestDecoder:
             raise
 
     def _read_headers(self, request: Request) -> None:
-        problems = _read_routing(request)
+        """The routing headers, then the headers' size (summed in the same pass over them)."""
+        problems, size = _read_routing(request)
         if request.spring_correlation_id is not None and not _has_header(request.headers, CORRELATION_ID):
             request.correlation_id = request.spring_correlation_id.hex()
         if request.reply_topic != self.default_reply_topic and not self.reply_topic_allowed(request.reply_topic):
@@ -167,6 +167,9 @@ class RequestDecoder:
         if problems:
             # Routing headers were read as far as possible first, so the error reply still finds its caller.
             raise RequestError("; ".join(problems), ErrorCode.BAD_REQUEST)
+        if size > self.max_header_bytes:
+            raise RequestError(f"request headers are {size} bytes; max_header_bytes is {self.max_header_bytes}",
+                               ErrorCode.PAYLOAD_TOO_LARGE)
 
     def _bounded_key(self, request: Request, key: bytes | None) -> bytes | None:
         """The key, or None when it is too large (its size kept in ``key_omitted``). Left out first of all, so
@@ -175,12 +178,6 @@ class RequestDecoder:
             request.key_omitted = len(key)
             return None
         return key
-
-    def _check_header_size(self, headers: Headers) -> None:
-        size = sum(len(name) + len(raw or b"") for name, raw in headers)
-        if size > self.max_header_bytes:
-            raise RequestError(f"request headers are {size} bytes; max_header_bytes is {self.max_header_bytes}",
-                               ErrorCode.PAYLOAD_TOO_LARGE)
 
     def _check_size(self, value: bytes | None) -> None:
         size = len(value) if value is not None else 0
@@ -210,13 +207,17 @@ class RequestDecoder:
         return document
 
 
-def _read_routing(request: Request) -> list[str]:
-    """Set the request's correlation, reply route and deadline from its headers; what could not be read, in words.
-    Every header is read whatever the others hold, so that an error reply still finds its caller."""
+def _read_routing(request: Request) -> tuple[list[str], int]:
+    """Set the request's correlation, reply route and deadline from its headers; what could not be read, in words,
+    and the headers' size (names and values). Every header is read whatever the others hold, so that an error reply
+    still finds its caller."""
     problems = []
+    size = 0
     for name, raw in request.headers:
+        size += len(name)
         if raw is None:
             continue
+        size += len(raw)
         try:
             if name == CORRELATION_ID:
                 request.correlation_id = _text(raw, name)
@@ -230,7 +231,7 @@ def _read_routing(request: Request) -> list[str]:
                 request.deadline_ms = _deadline(raw)
         except RequestError as exc:
             problems.append(str(exc))
-    return problems
+    return problems, size
 
 
 def _timestamp(record: Any) -> float | None:

@@ -225,3 +225,23 @@ def test_committer_counts_a_failed_commit_and_retries_later():
     consumer = FakeConsumer()
     committer.commit(consumer, [P0])  # revoke: synchronous
     assert consumer.commits == [([("requests", 0, 1)], False)] and tracker.commit_offsets() == []
+
+
+def test_a_fetch_is_tracked_in_one_call_each_record_with_its_own_ledger(caplog):
+    """The intake tracks a whole fetch at once (issue 38): records of an unowned partition get no ledger, and a
+    consumer that went back within the fetch restarts its partition's ledger from that record on."""
+    tracker = OffsetTracker()
+    tracker.assign([P0, ("requests", 1)])
+    fetch = [make_request(offset=10), make_request(offset=11), make_request(partition=2, offset=5),
+             make_request(partition=1, offset=7), make_request(offset=3), make_request(offset=4)]
+    ledgers = tracker.track_fetch([((request.topic, request.partition), request.offset) for request in fetch])
+    for request, ledger in zip(fetch, ledgers, strict=True):
+        request.ledger = ledger
+    assert ledgers[2] is None, "partition 2 is not this member's"
+    assert ledgers[0] is ledgers[1] and ledgers[4] is ledgers[5] and ledgers[0] is not ledgers[4]
+    assert not ledgers[0].attached and "went back from offset 11 to 3" in caplog.text
+    assert tracker.in_flight == 3  # partition 1's record, and the restarted ledger's two
+    tracker.finish([fetch[0], fetch[1], fetch[4]])
+    assert positions(tracker) == {P0: 4}, "the detached ledger's answers move nothing; 4 is unanswered"
+    tracker.finish([fetch[5], fetch[3]])
+    assert positions(tracker) == {P0: 5, ("requests", 1): 8} and tracker.in_flight == 0

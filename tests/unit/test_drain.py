@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from kinference.loadgen.bench.drain import Profile, evaluate_targets, markdown, read_raw_profile, sim_name, stage_of
+from kinference.loadgen.bench.drain import (
+    PARTS,
+    Profile,
+    evaluate_targets,
+    markdown,
+    parts,
+    read_raw_profile,
+    sim_name,
+    stage_of,
+)
 
 ROOT = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982)"
 
@@ -26,6 +35,10 @@ def test_a_sample_goes_to_its_innermost_known_stage():
     assert stage_of(f"{report};AtLeastOnce._settle (consumer/delivery/at_least_once.py:3)".split(";")) \
         == "publish: delivery reports"
     assert stage_of(f"{poll};OffsetCommits.turn (consumer/ledger/commits.py:4)".split(";")) == "commit"
+    publisher = f"{ROOT};Publisher._run (consumer/delivery/publisher.py:290)"
+    assert stage_of(publisher.split(";")) == "publish: delivery reports"  # librdkafka serving them, in poll()
+    assert stage_of(f"{publisher};Publisher._send (consumer/delivery/publisher.py:374)".split(";")) \
+        == "publish: produce"
 
 
 def test_a_profile_sums_samples_per_stage_and_leaves_waiting_out():
@@ -50,6 +63,11 @@ def test_targets_are_ratios_of_one_run():
     met = evaluate_targets(report(600, 1000, {"kinference-sim@0.5x-echo": 0.97, "kinference-sim@1x-echo": 0.91},
                                   95, 100))
     assert [t["met"] for t in met] == [True, True, True]
+    cpu = report(600, 1000, {}, 95, 100)
+    for row, us in zip(cpu["drains"], (10.0, 49.0, 120.0), strict=True):
+        row["cpu_us_per_msg"] = us
+    ratios = {t["target"]: (t["value"], t["met"]) for t in evaluate_targets(cpu) if "CPU" in t["target"]}
+    assert ratios == {"echo contender <= 5 x the relay's CPU per message": (4.9, True)}
     missed = evaluate_targets(report(400, 1000, {"kinference-sim@1x-echo": 0.6}, 80, 100))
     assert [(t["value"], t["met"]) for t in missed] == [(0.4, False), ({"kinference-sim@1x-echo": 0.6}, False),
                                                        (0.8, False)]
@@ -73,3 +91,14 @@ def test_markdown_has_a_row_per_drain_and_the_targets():
     text = markdown(data)
     assert "| kinference-echo | 1,000 | 600 | 12.5 |  |  | poll: decode 3 |" in text
     assert "| echo drain >= 0.5 x relay drain | 0.6 | yes |" in text
+    assert "| kinference-echo | 0 | 3 | 0 |" in text  # the per-stage table: consume, decode, admission...
+
+
+def test_parts_sum_the_stages_into_the_way_of_a_message():
+    split = parts({"poll: decode": 2.0, "poll: track": 1.0, "publish: delivery reports": 3.5, "poll: tokenise": 1.0,
+                   "poll: admission": 0.5, "postprocess + encode": 1.0, "publish: build records": 2.0, "lag": 0.25,
+                   "other": 1.0})
+    assert list(split) == list(PARTS)
+    assert (split["decode"], split["delivery/ledger"], split["admission/tokenise"], split["reply encoding"],
+            split["other"]) == (2.0, 4.5, 1.5, 3.0, 1.25)
+    assert sum(split.values()) == 12.25
