@@ -64,6 +64,11 @@ class ByteBudget:
             with self._lock:
                 self._held -= released
 
+    @property
+    def mean(self) -> float:
+        """Bytes per record, as planned with: a moving mean over the polls that rises at once."""
+        return self._mean
+
     def full(self) -> bool:
         """No room for one more record of the size seen (the moving mean): flow control pauses here, before the
         next poll takes one that would carry the budget past its bound. Never while nothing is held, so that a

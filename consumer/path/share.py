@@ -126,6 +126,8 @@ class ShareSource:
         if self._draining.is_set():
             self._loop.paused_for_good.set()  # no fetch after this one: what is in flight is answered and acknowledged
         if self._ledger.in_flight:
+            if self._intake.waiting:  # records the byte budget had no room for: decoded as answers give bytes back
+                self._intake.take([], self.errors.on_record)
             self._ledger.wait_settled(_POLL_S)
             return
         if self._draining.is_set():

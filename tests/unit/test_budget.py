@@ -6,11 +6,13 @@ from __future__ import annotations
 import orjson
 
 from kinference.consumer.ledger.budget import ByteBudget
+from kinference.consumer.ledger.commit import OffsetTracker
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.flow import FlowControl
+from kinference.consumer.path.intake import Intake
 from kinference.consumer.path.request import RequestDecoder
 from kinference.consumer.wire import jsonscan
-from tests.fakes import FakeRecord
+from tests.fakes import FakeModels, FakeRecord
 
 DECODER = RequestDecoder("replies", max_request_bytes=1_000_000, payload_format="json")
 
@@ -125,3 +127,38 @@ def test_partitions_pause_before_a_record_of_the_size_seen_would_carry_the_bytes
     assert not flow.paused and not budget.full()
     alone = ByteBudget(max_bytes=requests[1].held_bytes // 2)
     assert not alone.full() and alone.records_allowed(500) == 1  # larger than the whole budget: still taken alone
+
+
+class Consumed(FakeRecord):
+    """A record as ``consume()`` hands it over: no error."""
+
+    def error(self):
+        return None
+
+
+def test_a_fetch_is_decoded_only_while_the_budget_has_room_and_the_rest_waits_tracked():
+    """Issue 36: a fetch of records that each hold most of the budget once decoded took the service past it (two
+    900 KB Avro records of 180 MB each under 256 MiB, in one fetch). A record is decoded only while there is room for
+    one more like the last; the others wait raw and tracked (the commit never passes them), decoded first as answers
+    give bytes back; one is decoded while nothing is held (a record larger than the budget is served alone)."""
+    size = DECODER.decode(Consumed(strings_value(959_000))).held_bytes
+    tracker, models = OffsetTracker(), FakeModels()
+    tracker.assign([("requests", 0)])
+    budget = ByteBudget(max_bytes=int(1.5 * size))
+    intake = Intake(DECODER, tracker, models, budget=budget)
+    intake.take([Consumed(strings_value(959_000), partition=0, offset=i) for i in range(3)], on_error=print)
+    assert len(models.admitted) == 1 and intake.waiting == 2 and budget.held == size
+    assert tracker.in_flight == 3  # all tracked: no commit passes the waiting two
+    intake.take([], on_error=print)  # nothing given back yet: nothing more decoded
+    assert len(models.admitted) == 1 and intake.waiting == 2
+    budget.release(models.admitted[:1])
+    intake.take([Consumed(b'{"text": "later"}', partition=0, offset=3)], on_error=print)
+    assert [request.offset for request in models.admitted] == [0, 1]  # in order, the fetch's records first
+    assert intake.waiting == 2 and budget.held <= budget.max_bytes
+    taken_back = intake.discard([("requests", 0)])  # a revoke: the waiting records go back with the rest
+    assert sorted(request.offset for request in taken_back) == [2, 3] and intake.waiting == 0
+    assert all(request.ledger is not None for request in taken_back)
+    alone = Intake(DECODER, OffsetTracker(), FakeModels(), budget=ByteBudget(max_bytes=size // 2))
+    alone.tracker.assign([("requests", 0)])
+    alone.take([Consumed(strings_value(959_000), partition=0, offset=0)], on_error=print)
+    assert alone.waiting == 0 and alone.budget.held == size  # larger than the whole budget: served, alone
