@@ -114,7 +114,7 @@ class Service:
         self._stopped = threading.Event()
         self._slot: MemberSlot | None = None
         self.publisher: Publisher | None = None
-        self.source: Source | ShareSource | None = None
+        self.source: MemberSource | None = None
         self.lag: LagMonitor | None = None
         self.control: ControlReader | None = None
         """The control topic's reader (cancels of generations); None without ``control_topic``."""
