@@ -32,7 +32,7 @@ from kinference.consumer.delivery.exactly_once import ExactlyOnce
 from kinference.consumer.delivery.member_slot import MemberSlot
 from kinference.consumer.delivery.publisher import DeliveryMode, Publisher, PublishSettings
 from kinference.consumer.delivery.topic_metadata import ExistingTopics
-from kinference.consumer.ledger.commit import OffsetTracker
+from kinference.consumer.ledger.commit import Ledger, OffsetTracker
 from kinference.consumer.ledger.commits import Commits, OffsetCommits, TransactionCommits, Transactions
 from kinference.consumer.ledger.share import ShareLedger
 from kinference.consumer.ops.endpoints import Endpoints, EndpointSettings
@@ -102,8 +102,9 @@ class Service:
         self._tracer_provider = tracer_provider
         self.tracing: Tracing | None = None
         self.models = Models(config, handler)
-        self.tracker: OffsetTracker | ShareLedger = ShareLedger() if config.group_type == "share" else OffsetTracker()
-        """Every consumed record until it is answered: the commit ledger, or a share group's acknowledgements."""
+        self.tracker: Ledger | None = None
+        """Every consumed record until it is answered: the commit ledger, or a share group's acknowledgements; the
+        one ``_build`` chose."""
         self.metrics = Metrics()
         self.metrics.ready.set_function(lambda: float(all(self.readiness_checks().values())))
         self.metrics.healthy.set_function(lambda: float(self.healthy))
@@ -113,7 +114,7 @@ class Service:
         self._stopped = threading.Event()
         self._slot: MemberSlot | None = None
         self.publisher: Publisher | None = None
-        self.source: Source | ShareSource | None = None
+        self.source: MemberSource | None = None
         self.lag: LagMonitor | None = None
         self.control: ControlReader | None = None
         """The control topic's reader (cancels of generations); None without ``control_topic``."""
@@ -171,14 +172,9 @@ class Service:
         """The publisher, each model's batcher and stages, and the source with its intake (none started), wired in
         the order a request goes through them; both sides of the delivery mode work on the ledger the intake tracks
         each request in."""
-        tracker = self.tracker
-        if isinstance(tracker, ShareLedger):
-            set_share_group_start(config)  # first: a refusal (an ACL) leaves no client behind
-            # A share group's ledger takes the answered requests too; its source acknowledges each of them.
-            publisher, share_intake = self._path(config, config.producer_config(),
-                                                 AtLeastOnce(tracker, config.dead_letter_topic), tracker)
-            self.source = ShareSource(config, share_intake, self.metrics)  # no offsets: no lag to measure
-            return publisher, self.source
+        if config.group_type == "share":
+            return self._share_group(config)
+        self.tracker = tracker = OffsetTracker()
         producer_config = config.producer_config()
         delivery, commits = self._delivery_mode(config, tracker, producer_config)
         publisher, intake = self._path(config, producer_config, delivery, tracker)
@@ -187,6 +183,16 @@ class Service:
                               config.group_id, lambda: source.rebalance.partitions, self.metrics,
                               config.lag_interval_s)
         return publisher, source
+
+    def _share_group(self, config: ServiceConfig) -> tuple[Publisher, MemberSource]:
+        """``_build`` for a share group: its ledger takes the answered requests too (at-least-once), and its source
+        acknowledges each of them."""
+        set_share_group_start(config)  # first: a refusal (an ACL) leaves no client behind
+        self.tracker = ledger = ShareLedger()
+        publisher, intake = self._path(config, config.producer_config(), AtLeastOnce(ledger, config.dead_letter_topic),
+                                       ledger)
+        self.source = ShareSource(config, intake, self.metrics)  # no offsets: no lag to measure
+        return publisher, self.source
 
     def _delivery_mode(self, config: ServiceConfig, tracker: OffsetTracker,
                        producer_config: dict[str, str]) -> tuple[DeliveryMode, Commits]:
@@ -317,17 +323,17 @@ class Service:
         grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace_s
         reserve_s = min(_CLOSE_RESERVE_S, grace_s / 3)
-        source, publisher = self.source, self.publisher
-        if source is None or publisher is None:
+        source, publisher, tracker = self.source, self.publisher, self.tracker
+        if source is None or publisher is None or tracker is None:
             return  # unreachable once started; spelled out for the type checker
         source.drain(min(_PAUSE_WAIT_S, grace_s / 10))
         if self.control is not None:
             self.control.stop()
         # With the publisher gone, in-flight work can never be answered: waiting for it only delays the restart.
         drain_until = deadline - reserve_s if publisher.alive else time.monotonic()
-        if not self.tracker.wait_idle(max(0.0, drain_until - time.monotonic())):
+        if not tracker.wait_idle(max(0.0, drain_until - time.monotonic())):
             log.warning("shutdown: %d requests still in flight; they stay uncommitted and are served again after a "
-                        "restart", self.tracker.in_flight)
+                        "restart", tracker.in_flight)
         # Idle stages stop within a poll interval; busy ones get what is left of the drain time, and a quarter of
         # the reserve. Then the publisher flushes, and the source commits and leaves the group.
         self.models.stop(max(time.monotonic(), drain_until) + reserve_s / 4)

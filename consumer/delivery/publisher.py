@@ -157,11 +157,9 @@ class DeliveryMode(Protocol):
         """The publisher leaves."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Stream:
-    """Stream chunks of generative requests, in the inbox with the finished requests (``Publisher.stream``)."""
-
-    chunks: Sequence[StreamChunk]
+_Entry = Callable[[], None]
+"""An inbox entry: what the publisher thread does with it, bound to the finished requests (``Publisher.submit``) or the
+stream chunks (``Publisher.stream``) it carries, so that the thread never asks which of the two it took."""
 
 
 @dataclass(frozen=True)
@@ -206,7 +204,7 @@ class Publisher:
         self.budget = ByteBudget(settings.max_in_flight_bytes)
         """What the requests in flight hold decoded: the intake charges it, ``submit`` releases it (the stages are
         done with them), and the source's flow control bounds it."""
-        self._inbox: queue.Queue[list[Request] | _Stream] = queue.Queue(maxsize=settings.queue_size)
+        self._inbox: queue.Queue[_Entry] = queue.Queue(maxsize=settings.queue_size)
         self._new_producer = partial(producer_factory, {**producer_config, "error_cb": self._on_client_error})
         self._producer = self._new_producer()
         self._reply_partitions = ReplyPartitions(self._partitions)
@@ -239,13 +237,13 @@ class Publisher:
         go (``budget``). The queue holds everything in flight, so this only waits if the publisher fell behind; it
         raises ``PublisherDown`` rather than wait for a dead thread."""
         self.budget.release(requests)
-        self._put(requests)
+        self._put(partial(self._take_finished, requests))
 
     def stream(self, chunks: Sequence[StreamChunk]) -> None:
         """Queue the stream chunks of generative requests, produced (as the delivery mode says: ``streams``) in order
         before their requests' finals (one producer, one partition per request). Chunks are not answers: nothing
         waits for their acknowledgement."""
-        self._put(_Stream(chunks))
+        self._put(partial(self._take_chunks, chunks))
 
     @property
     def streams(self) -> bool:
@@ -257,10 +255,10 @@ class Publisher:
         streams: any thread (the cache's entries are replaced whole)."""
         return self._reply_partitions.count(topic)
 
-    def _put(self, item: list[Request] | _Stream) -> None:
+    def _put(self, entry: _Entry) -> None:
         while True:
             try:
-                self._inbox.put(item, timeout=_PUT_S)
+                self._inbox.put(entry, timeout=_PUT_S)
                 return
             except queue.Full:
                 if not self.alive:
@@ -314,15 +312,18 @@ class Publisher:
 
     def _take(self, timeout_s: float) -> None:
         try:
-            requests = self._inbox.get(timeout=timeout_s)
+            entry = self._inbox.get(timeout=timeout_s)
         except queue.Empty:
             return
-        if isinstance(requests, _Stream):
-            self._produce_chunks(self._delivery.stream(requests.chunks))
-            return
+        entry()
+
+    def _take_finished(self, requests: list[Request]) -> None:
         self._reply_partitions.check(requests)
         observe(self._metrics, requests, time.monotonic())
         self._delivery.take(requests)
+
+    def _take_chunks(self, chunks: Sequence[StreamChunk]) -> None:
+        self._produce_chunks(self._delivery.stream(chunks))
 
     def _retry_due(self, now: float) -> None:
         while self._retries and self._retries[0][0] <= now:

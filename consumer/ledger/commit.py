@@ -44,9 +44,17 @@ log = logging.getLogger(__name__)
 
 class Ledger(Protocol):
     """Where a delivery mode hands the requests it answered: a consumer group's ``OffsetTracker`` (their offsets
-    become committable) or a share group's ``share.ShareLedger`` (their records are acknowledged)."""
+    become committable) or a share group's ``share.ShareLedger`` (their records are acknowledged). The service waits
+    on it at stop, never asking which it is."""
 
     def finish(self, requests: Iterable[Request]) -> None: ...
+
+    @property
+    def in_flight(self) -> int:
+        """Records tracked and not answered."""
+
+    def wait_idle(self, timeout_s: float, partitions: Iterable[PartitionKey] | None = None) -> bool:
+        """Wait until no record is in flight (of ``partitions``, where the ledger has any); False on timeout."""
 
 
 class PartitionLedger:

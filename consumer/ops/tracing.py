@@ -90,7 +90,7 @@ class BatchTrace:
 
 
 class TracedBatch(Protocol):
-    """A micro-batch (``stages.MicroBatch``), as its stage spans read it: here, not imported, since the stages
+    """A micro-batch (``pools.MicroBatch``), as its stage spans read it: here, not imported, since the stages
     import this module."""
 
     active: list[Request]

@@ -1,4 +1,5 @@
-"""The stages: preprocess -> inference -> postprocess thread pools over micro-batches.
+"""The stages: a pipeline of preprocess -> inference -> postprocess thread pools (``pools``) over micro-batches,
+and its watchdog.
 
 ``Pipeline`` takes a batch from the batcher only when an inference slot is free (one slot per
 inference thread, plus one for a full batch, preprocessed while inference runs), splits it into
@@ -6,270 +7,33 @@ micro-batches of ``micro_batch_size`` and sends them through
 three thread pools joined by bounded queues, so pre/post of one micro-batch overlap inference of
 another (TorchServe micro-batching). Each micro-batch carries its own requests, so results match
 their requests whatever order micro-batches finish in. Every outcome, result or error, is set on
-the request it belongs to; a failing handler call fails only the requests of that micro-batch.
+the request it belongs to (its reply value by ``results``); a failing handler call fails only the requests of that
+micro-batch. The watchdog answers the requests of a handler call that runs over its timeout.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
-
-import numpy as np
 
 from kinference.consumer.config import Batching
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.logs import about
 from kinference.consumer.ops.metrics import Metrics
-from kinference.errors import RequestError, ServiceFault
+from kinference.consumer.path.pools import POLL_S, Abandoned, BatchTicket, MicroBatch, PoolsShare, StagePool
+from kinference.consumer.path.results import reply_value
+from kinference.errors import RequestError
 from kinference.handlers.base import Handler
-from kinference.protocol import ErrorCode, encode_result
+from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
-    from kinference.consumer.ops.tracing import BatchTrace, Tracing
+    from kinference.consumer.ops.tracing import Tracing
 
 log = logging.getLogger(__name__)
-
-_STOP = object()
-_POLL_S = 0.1
-
-
-class Abandoned(Exception):
-    """The shutdown deadline passed while a stage waited to hand work on: the work is left unanswered (its
-    offsets stay uncommitted and it is served again after a restart)."""
-
-
-MAX_RESULT_DEPTH = 254
-"""The deepest nesting of lists and dicts in a result: orjson writes no deeper, so a deeper result could not be
-answered anyway; ``finite`` stops there instead of walking (or, recursing, overflowing) further."""
-
-
-def finite(value: Any) -> bool:
-    """No NaN or infinity anywhere in a result (floats, numpy arrays, nested lists and dicts). ``RequestError``
-    (``handler_error``) for a result nested deeper than ``MAX_RESULT_DEPTH``.
-
-    Iterative, with its own stack: a handler's result is untrusted (an echo of a hostile request is one), and a
-    recursive walk failed every request of the micro-batch with a RecursionError. A container met twice (shared,
-    or holding itself) is walked once."""
-    pending: list[tuple[Any, int]] = [(value, 0)]
-    seen: set[int] = set()
-    while pending:
-        value, depth = pending.pop()
-        if not isinstance(value, dict | list | tuple):
-            if not _scalar_finite(value):
-                return False
-            continue
-        if depth >= MAX_RESULT_DEPTH:
-            raise RequestError(f"result is nested deeper than {MAX_RESULT_DEPTH} levels", ErrorCode.HANDLER_ERROR)
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, dict):
-            pending.extend((item, depth + 1) for item in value.values())
-            continue
-        floats_finite = _floats_finite(value)
-        if floats_finite is False:
-            return False
-        if floats_finite is None:
-            pending.extend((item, depth + 1) for item in value)
-    return True
-
-
-def _scalar_finite(value: Any) -> bool:
-    """A float, or a numpy array or scalar of floats or complex numbers, holds no NaN or infinity."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, np.ndarray | np.floating) and value.dtype.kind in "fc":
-        return bool(np.isfinite(value).all())
-    return True
-
-
-def _floats_finite(values: list[Any] | tuple[Any, ...]) -> bool | None:
-    """The fast path for a vector of floats: whether all are finite; None when it is not all numbers (then each
-    item is checked on its own)."""
-    if not values or not isinstance(values[0], float):
-        return None
-    try:
-        return all(map(math.isfinite, values))
-    except TypeError:
-        return None
-
-
-class BatchTicket:
-    """Holds an inference slot until every micro-batch of its batch has left inference."""
-
-    def __init__(self, parts: int, release: Callable[[], None]) -> None:
-        self._parts = parts
-        self._release = release
-        self._lock = threading.Lock()
-
-    def part_done(self) -> None:
-        with self._lock:
-            self._parts -= 1
-            last = self._parts == 0
-        if last:
-            self._release()
-
-
-@dataclass(slots=True, eq=False)
-class MicroBatch:
-    requests: list[Request]
-    ticket: BatchTicket
-    active: list[Request] = field(default_factory=list)
-    """The requests still ok: the handler sees only these, in this order."""
-    items: list[Any] = field(default_factory=list)
-    inputs: Any = None
-    work: int = 0
-    """Padded tokens of ``inputs`` (for handlers that count tokens), else the item count."""
-    outputs: Any = None
-    trace: BatchTrace | None = None
-    """The micro-batch's span (``consumer.tracing``); None when tracing is off."""
-    settled: bool = False
-    """Its requests were handed on to be answered (``Pipeline._settle``): once, by the last stage or by the
-    handler timeout, whichever comes first."""
-
-    def fail_active(self, error: RequestError) -> None:
-        for request in self.active:
-            request.fail(error)
-        self.active = []
-
-
-@dataclass(frozen=True, slots=True)
-class PoolsShare:
-    """What the three stage pools of one pipeline have in common."""
-
-    model: str
-    """The model whose stages these are: the metrics' label."""
-    metrics: Metrics
-    inbox_size: int
-    abandon: threading.Event
-    """Set when the shutdown deadline passed: a full inbox then stops waiting."""
-
-
-class StagePool:
-    """``threads`` workers running ``work`` on each micro-batch from ``inbox``, then ``forward``.
-
-    ``prepare``, when given, runs first in each worker thread; ``start`` returns once every worker has
-    run it, and raises its error if one failed.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        work: Callable[[MicroBatch], None],
-        forward: Callable[[MicroBatch], None],
-        threads: int,
-        shared: PoolsShare,
-        prepare: Callable[[], None] | None = None,
-    ) -> None:
-        self.name = name
-        self._abandon = shared.abandon
-        self._seconds = shared.metrics.stage_seconds.labels(shared.model, name)
-        self.inbox: queue.Queue[Any] = queue.Queue(maxsize=shared.inbox_size)
-        self._work = work
-        self._forward = forward
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), name=f"kinference-{name}-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        self._calls: list[tuple[float, MicroBatch] | None] = [None] * threads
-        """Per thread, the handler call it is in: (``time.monotonic()`` at its start, its micro-batch). Each thread
-        writes only its own slot."""
-        self.crashed: list[str] = []
-        self._prepare = prepare
-        self._prepared = threading.Semaphore(0)
-        self._prepare_errors: list[BaseException] = []
-
-    def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
-        for _ in self._threads:
-            self._prepared.acquire()
-        if self._prepare_errors:
-            raise self._prepare_errors[0]
-
-    def put(self, micro_batch: MicroBatch) -> None:
-        """Hand a micro-batch to this pool; waits while its inbox is full, but not past the shutdown deadline."""
-        while True:
-            try:
-                self.inbox.put(micro_batch, timeout=_POLL_S)
-                return
-            except queue.Full:
-                if self._abandon.is_set():
-                    raise Abandoned(f"{self.name} did not take a micro-batch before the shutdown deadline") from None
-
-    def stop(self, deadline: float) -> bool:
-        """Let queued work finish, then end the threads (one sentinel each, behind the work), by ``deadline``
-        (``time.monotonic()``). False when a thread is still busy then."""
-        for _ in self._threads:
-            try:
-                self.inbox.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Full:
-                break
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
-
-    @property
-    def alive(self) -> bool:
-        return all(thread.is_alive() for thread in self._threads)
-
-    def started_before(self, moment: float) -> list[tuple[float, MicroBatch]]:
-        """The handler calls running now that started before ``moment``: (start, micro-batch)."""
-        return [call for call in list(self._calls) if call is not None and call[0] < moment]
-
-    def _run(self, index: int) -> None:
-        try:
-            if self._prepare is not None:
-                self._prepare()
-        except BaseException as exc:
-            self._prepare_errors.append(exc)
-            return
-        finally:
-            self._prepared.release()
-        try:
-            while (micro_batch := self.inbox.get()) is not _STOP:
-                self._process(micro_batch, index)
-        except Abandoned:
-            return
-        except BaseException as exc:  # a stage thread must never die silently
-            self.crashed.append(f"{threading.current_thread().name}: {exc!r}")
-            log.critical("stage thread %s died", threading.current_thread().name, exc_info=True)
-            raise
-
-    def _process(self, micro_batch: MicroBatch, index: int) -> None:
-        try:
-            if micro_batch.active:
-                started = time.perf_counter()
-                self._calls[index] = (time.monotonic(), micro_batch)
-                try:
-                    self._work(micro_batch)
-                finally:
-                    self._calls[index] = None
-                self._seconds.observe(time.perf_counter() - started)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:
-            # Whatever the handler raises fails this micro-batch alone: SystemExit too (library code calls
-            # sys.exit; letting it end the thread left the micro-batch unanswered and, after each restart, crashed
-            # the service again on the same records), and GeneratorExit, which means something only inside a
-            # generator being closed, and this is none. Only KeyboardInterrupt is the operator's.
-            log.warning("%s failed for a micro-batch of %d requests: %r", self.name, len(micro_batch.active), exc,
-                        exc_info=log.isEnabledFor(logging.DEBUG), extra=about(micro_batch.requests[0]))
-            code = exc.code if isinstance(exc, ServiceFault) else ErrorCode.HANDLER_ERROR
-            micro_batch.fail_active(RequestError(f"{self.name} failed: {exc!r}", code))
-        try:
-            self._forward(micro_batch)
-        except Abandoned:
-            raise
-        except Exception:  # the publisher is down: these requests stay unanswered, and the service is unhealthy
-            log.critical("%s could not hand on a micro-batch of %d requests", self.name, len(micro_batch.requests),
-                         exc_info=True, extra=about(micro_batch.requests[0]))
 
 
 class Batches(Protocol):
@@ -467,10 +231,10 @@ class Pipeline:
 
     def _dispatch(self) -> None:
         while not self._stopping.is_set():
-            if not self._slots.acquire(timeout=_POLL_S):
+            if not self._slots.acquire(timeout=POLL_S):
                 continue
             try:
-                batch = self._batches.next_batch(_POLL_S, self._prefetching)
+                batch = self._batches.next_batch(POLL_S, self._prefetching)
             except Exception:
                 log.exception("batcher failed; retrying")
                 batch = []
@@ -534,45 +298,13 @@ class Pipeline:
             raise RequestError(f"postprocess returned {count} results for {len(micro_batch.active)} requests")
         for request, result in zip(micro_batch.active, results, strict=True):
             try:
-                request.reply_value = _reply_value(request, result)
+                request.reply_value = reply_value(request, result)
             except RequestError as exc:  # this result alone: e.g. an OIP request asked for an output it lacks
                 request.fail(exc)
 
     def _emit_micro_batch(self, micro_batch: MicroBatch) -> None:
         if self._settle(micro_batch):
             self._hand_on(micro_batch)
-
-
-def _reply_value(request: Request, result: Any) -> bytes:
-    """The reply value of one result; ``RequestError`` when it cannot be one."""
-    if isinstance(result, RequestError):
-        raise result
-    encoded = _json_reply(result) if request.reply_format is None else None
-    # orjson writes NaN and infinity as null, so kinference's JSON without a null holds neither: the walk of the
-    # result (``finite``, a few microseconds for an embedding) is left for a value with a null in it, or one that did
-    # not encode (whose error is then the same as before: NaN first). orjson encodes nothing nested deeper than
-    # ``finite`` accepts, so an encoded value never skips its depth error either. Other reply formats write NaN as
-    # it is: always walked.
-    if encoded is not None and b"null" not in encoded:
-        return encoded
-    if not finite(result):
-        # JSON has no NaN or infinity (orjson would write null): a client must not mistake a broken output for a
-        # value.
-        raise RequestError("result holds NaN or infinity", ErrorCode.HANDLER_ERROR)
-    if encoded is not None:
-        return encoded
-    try:
-        return encode_result(result) if request.reply_format is None else request.reply_format.response(result)
-    except TypeError as exc:
-        raise RequestError(f"result is not JSON-serialisable: {exc}", ErrorCode.HANDLER_ERROR) from exc
-
-
-def _json_reply(result: Any) -> bytes | None:
-    """kinference's JSON reply value of ``result``; None when it does not encode (``_reply_value`` says why)."""
-    try:
-        return encode_result(result)
-    except TypeError:
-        return None
 
 
 def _untraced(_name: str, work: Callable[[MicroBatch], None]) -> Callable[[MicroBatch], None]:

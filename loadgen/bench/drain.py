@@ -483,7 +483,9 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     ("preprocess", "consumer/path/stages.py", frozenset({"_preprocess"})),
     ("inference", "consumer/path/stages.py", frozenset({"_inference"})),
     ("postprocess + encode", "consumer/path/stages.py", frozenset({"_postprocess"})),
+    ("postprocess + encode", "consumer/path/results.py", None),
     ("stages: other", "consumer/path/stages.py", None),
+    ("stages: other", "consumer/path/pools.py", None),
     # The publisher loop's own frame is innermost only in its ``poll``: librdkafka serving the delivery reports.
     ("publish: delivery reports", "consumer/delivery/publisher.py", frozenset({"_on_delivery", "_refused", "_run"})),
     ("publish: delivery reports", "consumer/delivery/at_least_once.py", frozenset({"delivered", "refused", "_settle"})),

@@ -9,17 +9,11 @@ import pytest
 
 from kinference.consumer.config import Batching, Parallelism
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path import stages
+from kinference.consumer.path import results
 from kinference.consumer.path.admission import admit
 from kinference.consumer.path.batcher import Batcher
-from kinference.consumer.path.stages import (
-    MAX_RESULT_DEPTH,
-    InProcessInference,
-    ModelRun,
-    Pipeline,
-    _reply_value,
-    finite,
-)
+from kinference.consumer.path.results import MAX_RESULT_DEPTH, finite, reply_value
+from kinference.consumer.path.stages import InProcessInference, ModelRun, Pipeline
 from kinference.errors import InvalidInput, RequestError
 from kinference.handlers.base import Handler
 from kinference.handlers.echo import EchoHandler
@@ -206,25 +200,25 @@ def test_finite_is_iterative_and_bounded_in_depth():
 ])
 def test_a_result_with_nan_or_infinity_anywhere_is_refused(result):
     with pytest.raises(RequestError, match="NaN or infinity"):
-        _reply_value(make_request({}), result)
+        reply_value(make_request({}), result)
 
 
 def test_a_finite_result_is_encoded_once_and_walked_only_when_its_json_holds_a_null(monkeypatch):
     """Issue 27: the walk for NaN (``finite``) cost a few microseconds per embedding; orjson writes NaN and infinity
     as null, so JSON without a null needs no walk."""
     walked = []
-    monkeypatch.setattr(stages, "finite", lambda result: walked.append(result) or finite(result))
+    monkeypatch.setattr(results, "finite", lambda result: walked.append(result) or finite(result))
     embedding = {"embedding": np.array([0.25, -1.5], dtype=np.float32)}
-    assert _reply_value(make_request({}), embedding) == b'{"result":{"embedding":[0.25,-1.5]}}'
+    assert reply_value(make_request({}), embedding) == b'{"result":{"embedding":[0.25,-1.5]}}'
     assert walked == []
     with_null = {"label": None, "text": "null"}
-    assert _reply_value(make_request({}), with_null) == b'{"result":{"label":null,"text":"null"}}'
+    assert reply_value(make_request({}), with_null) == b'{"result":{"label":null,"text":"null"}}'
     assert walked == [with_null]
-    assert _reply_value(make_request({}), deeply_nested(MAX_RESULT_DEPTH - 1)).startswith(b'{"result":[[')
+    assert reply_value(make_request({}), deeply_nested(MAX_RESULT_DEPTH - 1)).startswith(b'{"result":[[')
     with pytest.raises(RequestError, match="nested deeper than"):
-        _reply_value(make_request({}), deeply_nested(MAX_RESULT_DEPTH + 1))
+        reply_value(make_request({}), deeply_nested(MAX_RESULT_DEPTH + 1))
     with pytest.raises(RequestError, match="not JSON-serialisable"):
-        _reply_value(make_request({}), {"y": object()})
+        reply_value(make_request({}), {"y": object()})
 
 
 @pytest.mark.parametrize("raised", [SystemExit, GeneratorExit, BaseExceptionGroup])
