@@ -40,8 +40,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH_SOURCE) "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]"
-	# MLServer's package, for its pydantic OIP types only (tests/unit/test_oip.py): kept apart, without its server's
-	# dependencies (which would pin protobuf, pandas and others of this venv).
+	# MLServer's package, for its pydantic OIP types only (tests/unit/consumer/wire/test_oip.py): kept apart,
+	# without its server's dependencies (which would pin protobuf, pandas and others of this venv).
 	$(BIN)/pip install --quiet --no-deps --target $(MLSERVER_TYPES) "$(MLSERVER_SPEC)"
 	touch $(STAMP)
 

@@ -70,7 +70,7 @@ class OnnxRuntimeForward:
         # The TorchScript exporter: it needs nothing beyond torch (the dynamo exporter needs onnxscript).
         # Tracing leaves the live module changed (measured: slower, different results), so a handler that
         # exports never runs the torch model again. Its warnings (deprecation, "might not generalize") are
-        # silenced: tests/unit/test_handler_runtime.py checks the exported model on padded batches of every length.
+        # silenced: tests/unit/handlers/test_runtime.py checks the exported model on padded batches of every length.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(

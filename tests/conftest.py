@@ -171,8 +171,9 @@ def spans():
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The slowest decode each hostile-input fuzz pass saw (tests/unit/test_fuzz_hostile.py), when it ran."""
-    fuzz = sys.modules.get("tests.unit.test_fuzz_hostile")
+    """The slowest decode each hostile-input fuzz pass saw (tests/unit/consumer/path/test_request_hostile.py), when
+    it ran."""
+    fuzz = sys.modules.get("tests.unit.consumer.path.test_request_hostile")
     if fuzz is not None:
         for line in fuzz.slowest_lines():
             terminalreporter.write_line(line)

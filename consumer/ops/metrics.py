@@ -147,7 +147,7 @@ def observe_many(histogram: Any, amounts: Iterable[float]) -> None:
     changes and of the sum, instead of a lock per bucket walk per amount: the publisher observes every request,
     and prometheus_client's ``observe`` walks the bucket bounds in Python (a request that waited in a backlog
     passes most of them). It reads the child's ``_upper_bounds``, ``_buckets`` and ``_sum``, which
-    prometheus_client has kept since 0.4 and its multiprocess values share; ``tests/unit/test_metrics.py``
+    prometheus_client has kept since 0.4 and its multiprocess values share; ``tests/unit/consumer/ops/test_metrics.py``
     checks that the result equals ``observe``'s."""
     bounds = histogram._upper_bounds
     amounts = list(amounts)

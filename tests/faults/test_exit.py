@@ -115,7 +115,7 @@ def test_a_static_member_fenced_by_a_newer_instance_exits_with_code_1(fault_sett
     """Static membership: a second process with the same ``group.instance.id`` takes the member's place, and the
     broker fences the first (FENCED_INSTANCE_ID, a fatal consumer error): it exits 1 instead of serving on as a
     zombie, and the newer instance serves. Apache Kafka only: neither Tansu nor the mock cluster fences a static
-    member (tests/unit/test_source.py shows the fatal path with a fake consumer)."""
+    member (tests/unit/consumer/path/test_source.py shows the fatal path with a fake consumer)."""
     if broker.kind != "kafka":
         pytest.skip(f"the {broker.kind} broker never fences a static member: run with KINFERENCE_TEST_BROKER=kafka")
     settings = fault_settings(1, extra=("--kafka-consumer", f"group.instance.id=static-{uuid.uuid4().hex[:8]}"))

@@ -5,7 +5,7 @@ dead letter exactly when it is unreadable; the service stays healthy.
 The records come from a seeded ``random.Random`` (``KINFERENCE_FUZZ_SEED`` to vary it), so a failure can be
 replayed. The expected outcome of each record is derived from its content with the service's own
 ``RequestDecoder`` (run here on the record as produced), its deadline and whether orjson can encode its
-echo. What this adds to the unit-level fuzz (tests/unit/test_fuzz_decoder.py) is everything between: the
+echo. What this adds to the unit-level fuzz (tests/unit/consumer/path/test_request_fuzz.py) is everything between: the
 broker round trip of odd values and headers, the poll loop, batching, the stages and the publisher.
 
 Excluded on purpose (known to kill the publisher thread, see tests/faults/test_poison.py): reply-to

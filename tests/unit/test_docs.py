@@ -345,7 +345,7 @@ def test_the_service_wires_a_request_s_path_in_the_flow_diagram_s_order(delivery
 def test_a_generative_model_s_runner_hands_its_records_to_the_publisher_of_the_diagram(delivery, mode):
     """Issue 37, item 4: a generative model's requests go from the models to its runner (``generations``), which
     hands its chunks and finals to the publisher, and makes chunks only where the delivery mode produces them."""
-    from tests.unit.test_generations import ScriptedEngine
+    from tests.unit.consumer.path.test_generations import ScriptedEngine
 
     service, publisher, source = built_service(delivery, ScriptedEngine())
     try:

@@ -1,7 +1,7 @@
 """The CUDA part of the GPU defaults, run only where torch sees a GPU (skipped here, on CPU-only machines and CI):
 float16/bfloat16 weights chosen by ``dtype=auto``, a CUDA graph per shape bucket, and the device process's merged
-batches, against the same model in float32 on the CPU. What does not need a GPU is tested in test_device.py and
-test_handler_accelerate.py."""
+batches, against the same model in float32 on the CPU. What does not need a GPU is tested in
+consumer/accelerator/test_device_server.py and test_accelerate.py."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from kinference.consumer.accelerator.worker_engine_link import EngineLink
 from kinference.consumer.accelerator.worker_link import DeviceUnavailable
 from kinference.handlers.generative import Event, Prompt, Sampling
 from tests.fakes import wait_for
-from tests.unit.test_generations import ScriptedEngine
+from tests.unit.consumer.path.test_generations import ScriptedEngine
 
 PROMPT = Prompt((1, 2, 3), Sampling(8), stream=True)
 

@@ -12,7 +12,7 @@ from kinference.consumer.path.router import ModelRoute, Router
 from kinference.consumer.wire import oip
 from kinference.errors import ConfigError, RequestError
 from kinference.protocol import MODEL, MODEL_VERSION, ErrorCode
-from tests.unit.test_protocol import FakeRecord
+from tests.fakes import FakeRecord
 
 EMBED = ModelRoute("minilm", "2", "json", oip.ServedModel("minilm", "2"))
 IMAGES = ModelRoute("resnet", None, "bytes")

@@ -151,7 +151,7 @@ def test_yaml_must_be_a_mapping(tmp_path):
 def test_every_option_is_documented():
     from pathlib import Path
 
-    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    doc = (Path(__file__).parents[3] / "docs" / "configuration.md").read_text()
     for name, field in OPTIONS.items():
         default = field.default.model_dump() if hasattr(field.default, "model_dump") else field.default
         row = f"| `--{name.replace('_', '-')}` | `{default!r}` | `KINFERENCE_{name.upper()}` |"

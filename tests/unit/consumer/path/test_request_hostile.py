@@ -35,8 +35,8 @@ from kinference.handlers.image import ImageClassificationHandler
 from kinference.protocol import ErrorCode
 from tests.fakes import FakeRecord
 from tests.schemas import Producer
-from tests.unit.test_fuzz_decoder import headers as spring_and_kinference_headers
-from tests.unit.test_fuzz_decoder import json_values, mutated_json, values
+from tests.unit.consumer.path.test_request_fuzz import headers as spring_and_kinference_headers
+from tests.unit.consumer.path.test_request_fuzz import json_values, mutated_json, values
 
 MAX_REQUEST_BYTES = 65_536
 CLIENT_CODES = {ErrorCode.BAD_REQUEST, ErrorCode.PAYLOAD_TOO_LARGE, ErrorCode.MODEL_NOT_FOUND}
