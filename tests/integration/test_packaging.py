@@ -81,7 +81,7 @@ def test_the_wheel_holds_one_top_level_package_and_declares_its_extras(wheel: Pa
     base = {r.split(">")[0] for r in requires if "extra ==" not in r}
     assert base == {"confluent-kafka", "orjson"}
     assert set(metadata.get_all("Provides-Extra")) == {"serve", "generate", "loadgen", "embedded", "onnx", "torchserve",
-                                                       "schema-registry", "otel", "gpu", "dev"}
+                                                       "schema-registry", "otel", "gpu", "reference", "dev"}
     assert any(r.startswith("torch") and 'extra == "serve"' in r for r in requires)
     assert metadata["License-Expression"] == "Apache-2.0"
 

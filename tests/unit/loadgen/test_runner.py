@@ -203,8 +203,10 @@ def test_a_generative_run_measures_chunks_tokens_and_how_each_generation_ended()
     assert generation["finish_reasons"] == {"deadline": 4, "length": 12}
     assert generation["restarts"] == 5 and generation["tokens"] == 16 * 4 and generation["tokens_per_s"] > 0
     # The first chunk 10 ms after sending (20 ms when it restarted: the new attempt's), the next 10 ms later, the
-    # final 10 ms after that: the latency is the whole generation's.
-    assert 10 <= generation["ttfc_ms"]["p50"] < generation["ttfc_ms"]["max"] < report["latency_ms"]["p50"]
+    # final 10 ms after that: the latency is the whole generation's. (The slowest first chunk is not compared with
+    # the latency's median: on a loaded machine one late first chunk passed it, 49 ms against 37.)
+    assert 10 <= generation["ttfc_ms"]["p50"] <= generation["ttfc_ms"]["max"]
+    assert generation["ttfc_ms"]["p50"] < report["latency_ms"]["p50"]
     assert generation["between_chunks_ms"]["p50"] >= 10
     restarted = [s for s in result.samples if s.restarts]
     assert restarted and all(len(s.chunk_gaps_ms) == 1 for s in restarted), "only the answering attempt's chunks"
