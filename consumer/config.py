@@ -464,7 +464,8 @@ class ServiceConfig(BaseModel):
         "auto", description="The one progress rule: a device batch running longer than this has hung (its requests "
         "fail with device_hung, /healthz turns red and the device process is replaced), and so has a generative "
         "model's engine that holds requests and makes no decoding step for this long (its requests fail with "
-        "handler_error and the engine is replaced in its process, /healthz red until the new one runs). auto: 10 "
+        "handler_error and the engine is replaced in its process, /healthz red until the new one runs), and a "
+        "worker whose report is silent this long, at least 20 s (killed and started again). auto: 10 "
         "times the slowest batch of the start-up calibration, at least 30 s; an engine's, 60 s (above a long "
         "prompt's prefill).",
     )

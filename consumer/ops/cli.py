@@ -156,7 +156,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Exit 0 after a clean stop (SIGTERM, SIGINT); 1 when the service cannot go on (a thread died, a fatal
     consumer or producer error, the broker away past the delivery retry timeout), so that the orchestrator
     restarts it. No record ends it (``publisher``: an unanswerable request is counted and committed past)."""
-    from kinference.consumer.ops.supervisor import WorkerReport, die_with_supervisor
+    from kinference.consumer.ops.supervisor import WorkerReport, die_with_supervisor, worker_hang_limit
     from kinference.consumer.service import Service, settle_heap
 
     config = _config_from_args(args)
@@ -177,7 +177,8 @@ def run_serve(args: argparse.Namespace) -> int:
         service = Service(config, host_dir=args.worker_report.parent if args.worker_report is not None else None,
                           device_socket=args.device_socket)
         if args.worker_report is not None:
-            stack.enter_context(WorkerReport(args.worker_report, service))
+            progress = worker_hang_limit(config.device_hang_s)
+            stack.enter_context(WorkerReport(args.worker_report, service, progress=lambda: progress))
         service.start()
         settle_heap()
         try:

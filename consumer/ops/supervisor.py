@@ -13,6 +13,10 @@ process one per GPU, under a small supervisor (gunicorn's arbiter, cut down to w
   ``--device-hang-s``, or no report at all for that long) is killed and replaced; it answered the calls of its hung
   batch with ``device_hung`` itself, and the workers send the others again to its replacement. ``/healthz`` names it
   from the moment it reports no progress until the replacement is ready.
+- A worker is held to the same rule by its report alone: one whose report is older than ``worker_hang_limit``
+  (``--device-hang-s``, at least ``WORKER_HANG_FLOOR_S``: the process is stopped, or a thread holds the GIL) is
+  killed and started again; what it held is served again by the group (nothing was committed past it). Its hung
+  micro-batches are the stages' watchdog's (``--handler-timeout-s``), and its engine's the engine's own.
 - A worker that exits on its own is restarted, after a backoff that doubles with each quick death (from
   ``Restarts.backoff_s``). A worker that died ``Restarts.quick_deaths`` times in a row, each within
   ``Restarts.stable_s`` of its start, will not get better by itself: the supervisor stops the others and exits 1, so
@@ -73,6 +77,10 @@ _REPORT_S = 1.0
 _JOINING_S = 0.05
 _STALE_S = 10.0
 """A worker that has not reported for this long is hung (a stuck poll loop, a process stopped): unhealthy."""
+WORKER_HANG_FLOOR_S = 20.0
+"""A worker is killed for a silent report only past this, whatever ``--device-hang-s`` says: its report thread
+shares the GIL with a loading model and a busy host, and a short device limit (seconds, in tests) must not kill a
+worker that is merely slow to report."""
 _CALIBRATION_METRICS = (
     ("batch_size", "batch_size", "Items per device batch, chosen at start (--device-batch-size auto)."),
     ("device_items_s", "device_items_per_second", "The device's items/s at that batch size, measured at start."),
@@ -503,6 +511,13 @@ class Supervisor:
             self._reaped(worker, process)
 
 
+def worker_hang_limit(setting: float | str) -> dict[str, Any]:
+    """A worker's ``progress`` in its report: no batch of its own to time, so only a limit on its report's age."""
+    from kinference.consumer.config import hang_limit
+
+    return {"limit_s": max(WORKER_HANG_FLOOR_S, hang_limit(setting)), "hung": None}
+
+
 def _stalled(report_path: Path, pid: int) -> str | None:
     """Why the process ``pid`` that writes ``report_path`` makes no progress; None when it does, or does not report
     its progress. It says so itself (a device batch past its limit), or its report is older than the limit (the
@@ -518,5 +533,5 @@ def _stalled(report_path: Path, pid: int) -> str | None:
     if progress.get("hung"):
         return str(progress["hung"])
     if age > progress["limit_s"]:
-        return f"no report for {age:.0f} s, past --device-hang-s ({progress['limit_s']:g} s)"
+        return f"no report for {age:.0f} s, past its limit ({progress['limit_s']:g} s, from --device-hang-s)"
     return None

@@ -117,6 +117,42 @@ def test_a_killed_worker_is_restarted_its_partitions_served_and_metrics_add_up(f
         supervisor.kill()
 
 
+@pytest.mark.timeout(180)
+def test_a_stopped_worker_is_killed_past_its_report_limit_started_again_and_named_until_then(fault_settings):
+    """Issue 36, item 2: a worker that stops making progress (SIGSTOP: its report goes silent) is replaced within a
+    bounded time (its report limit: ``--device-hang-s``, at least 20 s), /healthz names it meanwhile, and every
+    request sent while it was stopped is answered (its partitions were served again, nothing committed past)."""
+    settings = fault_settings(partitions=4, assignor="range")
+    port = free_port()
+    args = [arg for arg in settings.args() if arg != "--no-metrics"]
+    supervisor = Member("supervisor", [*args, "--workers", "2", "--device-hang-s", "1", "--metrics-host",
+                                       "127.0.0.1", "--metrics-port", str(port)])
+    client = client_for(settings).start()
+    try:
+        wait_until(lambda: get(port, "/readyz")[0] == 200, 60, "both workers ready", supervisor)
+        assert answered(client, 8, 0) == 8
+        stopped = worker_pids(supervisor)[0]
+        os.kill(stopped, signal.SIGSTOP)
+        started = time.monotonic()
+        futures = [client.send({"seq": seq}, key=str(seq)) for seq in range(8, 28)]
+        wait_until(lambda: b"worker 0" in get(port, "/healthz")[1] and get(port, "/healthz")[0] == 503, 20,
+                   "/healthz red, naming worker 0", supervisor)
+        wait_until(lambda: worker_pids(supervisor)[0] != stopped, 40, "worker 0 killed and started again",
+                   supervisor)
+        replaced_s = time.monotonic() - started
+        assert 20 <= replaced_s < 35, replaced_s
+        assert supervisor.said("makes no progress")
+        assert sum(1 for future in futures if future.result(60).ok) == 20
+        wait_until(lambda: get(port, "/healthz")[0] == 200, 60, "/healthz green once the new worker serves",
+                   supervisor)
+    finally:
+        client.close()
+        for pid in worker_pids(supervisor).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        supervisor.kill()
+
+
 def running(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie whose new parent has not reaped it yet does not)."""
     try:

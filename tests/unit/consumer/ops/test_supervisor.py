@@ -198,3 +198,36 @@ def test_a_device_process_that_makes_no_progress_is_killed_and_replaced_and_name
     finally:
         supervisor.stop()
         runner.join(15)
+
+
+def test_a_worker_s_report_limit_is_the_device_hang_limit_with_a_floor():
+    from kinference.consumer.ops.supervisor import WORKER_HANG_FLOOR_S, worker_hang_limit
+
+    assert worker_hang_limit("auto") == {"limit_s": 60.0, "hung": None}  # no calibration of its own: an engine's
+    assert worker_hang_limit(3.0)["limit_s"] == WORKER_HANG_FLOOR_S  # a short test limit does not kill slow reports
+    assert worker_hang_limit(120.0)["limit_s"] == 120.0
+
+
+def test_a_worker_that_stops_reporting_is_killed_and_started_again_and_named_until_then(tmp_path: Path):
+    """Issue 36, item 2: the progress rule holds for a worker too (a stopped one, or one whose thread holds the
+    GIL): past its report's limit it is killed and started again, and health names it until the new one is ready."""
+    def command(member: Member) -> list[str]:
+        return [sys.executable, "-c", _STALLING, str(member.report), "silent", str(tmp_path / "started-once")]
+
+    supervisor = Supervisor(1, command, grace_s=5, metrics_dir=tmp_path / "metrics",
+                            restarts=Restarts(backoff_s=(0.3, 0.3)))
+    runner = threading.Thread(target=supervisor.run)
+    runner.start()
+    seen: list[dict[str, str]] = []
+    try:
+        def replaced_and_serving() -> bool:
+            seen.append(supervisor.problems())
+            return supervisor.workers[0].restarts == 1 and supervisor.health_checks() == {"worker 0": True}
+
+        assert wait_for(replaced_and_serving, timeout_s=15)
+        assert supervisor.workers[0].last_exit == -signal.SIGKILL
+        named = [problems["worker 0"] for problems in seen if "worker 0" in problems]
+        assert any(why.startswith("replaced: ") and "no report for" in why for why in named), named
+    finally:
+        supervisor.stop()
+        runner.join(15)
