@@ -15,6 +15,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+# The reference: the `reference` extra (not in the lowest-versions run, whose transformers is older than it needs).
+pytest.importorskip("sentence_transformers", reason="sentence-transformers (pip install 'kinference[reference]') "
+                    "is the reference these tests compare with")
 from sentence_transformers import SentenceTransformer
 
 from kinference.consumer.brokers.broker import free_port

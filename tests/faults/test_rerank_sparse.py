@@ -21,6 +21,10 @@ from tests.faults.test_device_process import pids
 from tests.faults.test_workers import get, wait_until
 from tests.models import build_tiny_cross_encoder, build_tiny_sparse_encoder, varied_texts
 
+# The reference: the `reference` extra (not in the lowest-versions run, whose transformers is older than it needs).
+pytest.importorskip("sentence_transformers", reason="sentence-transformers (pip install 'kinference[reference]') "
+                    "is the reference these tests compare with")
+
 pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.model]
 
 LONG = " ".join(["the broker sat on the mat"] * 40)  # past the tiny models' 128 positions: cut as they cut it

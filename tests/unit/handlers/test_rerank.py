@@ -14,6 +14,10 @@ from kinference.handlers import HandlerContext
 from kinference.handlers.rerank import RerankHandler
 from tests.models import build_tiny_classifier, build_tiny_cross_encoder, varied_texts
 
+# The reference: the `reference` extra (not in the lowest-versions run, whose transformers is older than it needs).
+pytest.importorskip("sentence_transformers", reason="sentence-transformers (pip install 'kinference[reference]') "
+                    "is the reference these tests compare with")
+
 pytestmark = pytest.mark.model
 
 QUERY = "which partition holds the offset of the batch?"

@@ -15,6 +15,10 @@ from kinference.handlers import HandlerContext
 from kinference.handlers.sparse import SparseHandler
 from tests.models import build_tiny_sparse_encoder, varied_texts
 
+# The reference: the `reference` extra (not in the lowest-versions run, whose transformers is older than it needs).
+pytest.importorskip("sentence_transformers", reason="sentence-transformers (pip install 'kinference[reference]') "
+                    "is the reference these tests compare with")
+
 pytestmark = pytest.mark.model
 
 # From one word to past the model's 128 positions, in one batch: padding must not leak into any vector.
