@@ -280,5 +280,8 @@ def test_hostile_schema_registry_records_are_refused_and_the_requests_behind_the
     assert all(code == SCHEMA_CODES[kind] for kind, code in codes), codes
     assert not [name for name in ["warm", *baseline, *behind] if protocol.ERROR_CODE in headers_of(last[name])]
     assert 1 <= lookups <= WORKERS[path], f"{lookups} lookups of the unknown schema id"
-    assert max(after) < statistics.median(alone) + 1000, (alone, after)
+    # The first request behind the 600 waits for their 1,200 answers (reply and dead letter each) to be produced:
+    # 0.2-0.3 s on Tansu, ~0.9 s on Apache Kafka, 1.02 s there once under CI's four test processes. Before the
+    # fix it waited 14-16 s (a registry call per record); 2 s keeps that apart from CI's noise.
+    assert max(after) < statistics.median(alone) + 2000, (alone, after)
     assert peak_rss < idle_rss + WORKERS[path] * (BUDGET + PREFETCH), f"peak RSS {peak_rss / 2**20:.0f} MiB"
