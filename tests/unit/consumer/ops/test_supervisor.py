@@ -173,25 +173,29 @@ while True:
 """
 
 
-@pytest.mark.parametrize("mode", ["hung", "silent"])
-def test_a_device_process_that_makes_no_progress_is_killed_and_replaced_and_named_until_then(tmp_path: Path,
-                                                                                          mode: str):
+@pytest.mark.parametrize(("kind", "mode"), [("device", "hung"), ("device", "silent"), ("worker", "silent")])
+def test_a_member_that_makes_no_progress_is_killed_and_replaced_and_named_until_then(tmp_path: Path, kind: str,
+                                                                                     mode: str):
+    """Issue 36, item 2: one progress rule for every child. A device process that reports a hung batch, or whose
+    report goes silent, and a worker whose report goes silent (stopped, or a thread holding the GIL) is killed and
+    started again, and health names it until the new one is ready."""
     def command(member: Member) -> list[str]:
         return [sys.executable, "-c", _STALLING, str(member.report), mode, str(tmp_path / "started-once")]
 
-    supervisor = Supervisor(0, command, grace_s=5, devices=1, metrics_dir=tmp_path / "metrics",
-                            restarts=Restarts(backoff_s=(0.3, 0.3)))
+    supervisor = Supervisor(int(kind == "worker"), command, grace_s=5, devices=int(kind == "device"),
+                            metrics_dir=tmp_path / "metrics", restarts=Restarts(backoff_s=(0.3, 0.3)))
+    member, name = (supervisor.devices if kind == "device" else supervisor.workers)[0], f"{kind} 0"
     runner = threading.Thread(target=supervisor.run)
     runner.start()
     seen: list[dict[str, str]] = []
     try:
         def replaced_and_serving() -> bool:
             seen.append(supervisor.problems())
-            return supervisor.devices[0].restarts == 1 and supervisor.health_checks() == {"device 0": True}
+            return member.restarts == 1 and supervisor.health_checks() == {name: True}
 
         assert wait_for(replaced_and_serving, timeout_s=15)
-        assert supervisor.devices[0].last_exit == -signal.SIGKILL
-        named = [problems["device 0"] for problems in seen if "device 0" in problems]
+        assert member.last_exit == -signal.SIGKILL
+        named = [problems[name] for problems in seen if name in problems]
         assert any(why.startswith("replaced: ") for why in named), named
         assert any(("past --device-hang-s (1 s)" if mode == "hung" else "no report for") in why for why in named)
         assert not supervisor.problems()
@@ -206,28 +210,3 @@ def test_a_worker_s_report_limit_is_the_device_hang_limit_with_a_floor():
     assert worker_hang_limit("auto") == {"limit_s": 60.0, "hung": None}  # no calibration of its own: an engine's
     assert worker_hang_limit(3.0)["limit_s"] == WORKER_HANG_FLOOR_S  # a short test limit does not kill slow reports
     assert worker_hang_limit(120.0)["limit_s"] == 120.0
-
-
-def test_a_worker_that_stops_reporting_is_killed_and_started_again_and_named_until_then(tmp_path: Path):
-    """Issue 36, item 2: the progress rule holds for a worker too (a stopped one, or one whose thread holds the
-    GIL): past its report's limit it is killed and started again, and health names it until the new one is ready."""
-    def command(member: Member) -> list[str]:
-        return [sys.executable, "-c", _STALLING, str(member.report), "silent", str(tmp_path / "started-once")]
-
-    supervisor = Supervisor(1, command, grace_s=5, metrics_dir=tmp_path / "metrics",
-                            restarts=Restarts(backoff_s=(0.3, 0.3)))
-    runner = threading.Thread(target=supervisor.run)
-    runner.start()
-    seen: list[dict[str, str]] = []
-    try:
-        def replaced_and_serving() -> bool:
-            seen.append(supervisor.problems())
-            return supervisor.workers[0].restarts == 1 and supervisor.health_checks() == {"worker 0": True}
-
-        assert wait_for(replaced_and_serving, timeout_s=15)
-        assert supervisor.workers[0].last_exit == -signal.SIGKILL
-        named = [problems["worker 0"] for problems in seen if "worker 0" in problems]
-        assert any(why.startswith("replaced: ") and "no report for" in why for why in named), named
-    finally:
-        supervisor.stop()
-        runner.join(15)
