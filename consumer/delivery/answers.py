@@ -96,12 +96,22 @@ class Delivery:
     """``time.monotonic()`` of the first produce of this record: transient failures are retried up to a bound."""
     reason: RequestError | None = None
     """A dead letter's: why the request could not be served."""
+    error: RequestError | None = None
+    """The error this record answers its request with when it is not the request's own (``Request.error``, which
+    comes first): its reply partition missing (``ReplyPartitions``), no result, its result too large
+    (``replacement``), or nothing could answer it (unanswerable, the publisher's). The delivery's outcome, never
+    written on the request: what counts, logs and settles the answer reads ``outcome``."""
     original: bool = True
     """A dead letter with the original value and headers (False once they made it too large)."""
     attempts: int = 0
     epoch: int = 0
     """``InFlight.epoch`` when it was last produced: a report from an earlier one (a replaced producer, an aborted
     transaction) is stale."""
+
+    @property
+    def outcome(self) -> RequestError | None:
+        """What its request is answered with: the request's own error first, else the delivery's; None: ok."""
+        return self.request.error or self.error
 
 
 class InFlight:
@@ -155,14 +165,18 @@ class StreamChunk:
         return request.reply_topic, self.value, request.key, self.headers, request.reply_partition
 
 
-def answer(request: Request, dead_letter_topic: str, now: float) -> list[Delivery]:
-    """The records that answer ``request`` now."""
+def answer(request: Request, dead_letter_topic: str, now: float, misdirected: RequestError | None = None
+           ) -> list[Delivery]:
+    """The records that answer ``request`` now. ``misdirected``: its reply partition does not exist
+    (``ReplyPartitions.check``): the reply goes to the default partition, with that error unless the request has its
+    own."""
     deliveries = []
     if not request.unroutable:
-        deliveries.append(_reply(request, now))
+        partition = request.reply_partition if misdirected is None else None
+        deliveries.append(_reply(request, now, misdirected, partition))
     if request.dead_letter:
         error = request.error or RequestError("the record is not a valid request", ErrorCode.BAD_REQUEST)
-        deliveries.append(_dead_letter(request, dead_letter_topic, error, now))
+        deliveries.append(_dead_letter(request, dead_letter_topic, error, now, error=misdirected))
     return deliveries
 
 
@@ -181,16 +195,20 @@ class ReplyPartitions:
         self._ttl_s = ttl_s
         self._known: dict[str, tuple[int | None, float]] = {}
 
-    def check(self, requests: Iterable[Request]) -> None:
+    def check(self, requests: Iterable[Request]) -> dict[Request, RequestError]:
+        """The requests whose reply partition the reply topic lacks, each with the error that answers it (``answer``'s
+        ``misdirected``); the requests themselves are left as they are."""
+        misdirected = {}
         for request in requests:
-            if request.reply_partition is None:
+            asked = request.reply_partition
+            if asked is None:
                 continue
             count = self.count(request.reply_topic)
-            if count is not None and request.reply_partition >= count:
-                asked, request.reply_partition = request.reply_partition, None
-                request.fail(RequestError(f"reply partition {asked} does not exist: {request.reply_topic} has "
-                                          f"{count} partitions; the reply goes to its default partition",
-                                          ErrorCode.BAD_REQUEST))
+            if count is not None and asked >= count:
+                misdirected[request] = RequestError(f"reply partition {asked} does not exist: {request.reply_topic} "
+                                                    f"has {count} partitions; the reply goes to its default partition",
+                                                    ErrorCode.BAD_REQUEST)
+        return misdirected
 
     def count(self, topic: str) -> int | None:
         """The topic's partition count (cached); None when the broker does not say."""
@@ -206,42 +224,52 @@ def replacement(refused: Delivery, error: KafkaError, dead_letter_topic: str, no
     request = refused.request
     too_large = error.code() in _TOO_LARGE
     if refused.kind == "reply":
-        if too_large and request.ok:
-            request.fail(RequestError(f"the result is too large to publish: {error.str()}", ErrorCode.HANDLER_ERROR))
-            return [_reply(request, now)]
+        if too_large and refused.outcome is None:
+            too_large_error = RequestError(f"the result is too large to publish: {error.str()}",
+                                           ErrorCode.HANDLER_ERROR)
+            return [_reply(request, now, too_large_error, refused.record[4])]
         reason = RequestError(f"reply to {refused.record[0]} could not be delivered: {error.str()}",
                               ErrorCode.INTERNAL_ERROR)
-        return [_dead_letter(request, dead_letter_topic, reason, now)]
+        return [_dead_letter(request, dead_letter_topic, reason, now, error=refused.error)]
     if too_large and refused.original and refused.reason is not None:
         # Keep the record of the failure, without the original value and headers that made it too large.
-        return [_dead_letter(request, dead_letter_topic, refused.reason, now, original=False)]
+        return [_dead_letter(request, dead_letter_topic, refused.reason, now, original=False, error=refused.error)]
     return []
 
 
-def _reply(request: Request, now: float) -> Delivery:
-    value = reply_value(request)  # first: the value's format may put its schema id in a header
-    record = (request.reply_topic, value, request.key, reply_headers(request, now), request.reply_partition)
-    return Delivery(request, "reply", record, now)
+def _reply(request: Request, now: float, error: RequestError | None, partition: int | None) -> Delivery:
+    """``error``: the delivery's, answering in place of a request without one of its own."""
+    if request.error is None and error is None and request.reply_value is None:
+        # postprocess sets reply_value on every ok request; if that ever fails, the caller still gets an answer.
+        error = RequestError("the request finished without a result", ErrorCode.INTERNAL_ERROR)
+    outcome = request.error or error
+    value = reply_value(request, outcome)  # first: the value's format may put its schema id in a header
+    record = (request.reply_topic, value, request.key, reply_headers(request, now, outcome), partition)
+    return Delivery(request, "reply", record, now, error=None if request.error is not None else error)
 
 
-def _dead_letter(request: Request, topic: str, error: RequestError, now: float, original: bool = True) -> Delivery:
-    """With ``original`` the request's value and headers ride along; without, only kinference's headers."""
-    record = (topic, request.value if original else None, request.key, dead_letter_headers(request, error, original),
+def _dead_letter(request: Request, topic: str, reason: RequestError, now: float, original: bool = True,
+                 error: RequestError | None = None) -> Delivery:
+    """With ``original`` the request's value and headers ride along; without, only kinference's headers. ``error``:
+    the delivery's outcome for the request (``Delivery.error``), carried on from the record it replaces."""
+    record = (topic, request.value if original else None, request.key, dead_letter_headers(request, reason, original),
               None)
-    return Delivery(request, "dead_letter", record, now, reason=error, original=original)
+    return Delivery(request, "dead_letter", record, now, reason=reason, original=original, error=error)
 
 
-def reply_headers(request: Request, now: float) -> Headers:
-    """Headers of the reply: status, correlation and the server-side timings clients report on."""
+def reply_headers(request: Request, now: float, outcome: RequestError | None = None) -> Headers:
+    """Headers of the reply: status, correlation and the server-side timings clients report on. ``outcome``: the
+    error the reply answers with (by default the request's own)."""
+    outcome = outcome or request.error
     headers: Headers = [
         (CORRELATION_ID, request.correlation_id.encode()),
-        (STATUS, b"ok" if request.ok else b"error"),
+        (STATUS, b"ok" if outcome is None else b"error"),
         (SERVICE_MS, _ms(now - request.received)),
     ]
     if request.spring_correlation_id is not None:
         headers.append((SPRING_CORRELATION_ID, request.spring_correlation_id))
-    if request.error is not None:
-        headers.append((ERROR_CODE, str(request.error.code).encode()))
+    if outcome is not None:
+        headers.append((ERROR_CODE, str(outcome.code).encode()))
     if request.dispatched is not None:
         headers += [
             (QUEUE_MS, _ms(request.dispatched - request.received)),
@@ -259,14 +287,13 @@ def reply_headers(request: Request, now: float) -> Headers:
     return headers
 
 
-def reply_value(request: Request) -> bytes:
-    error = request.error
+def reply_value(request: Request, outcome: RequestError | None = None) -> bytes:
+    """The reply's value: the result, or the error reply of ``outcome`` (by default the request's own error)."""
+    error = outcome or request.error
     if error is None:
         if request.reply_value is not None:
             return request.reply_value
-        # postprocess sets reply_value on every ok request; if that ever fails, the caller still gets an answer.
         error = RequestError("the request finished without a result", ErrorCode.INTERNAL_ERROR)
-        request.fail(error)
     if request.reply_format is not None:
         return request.reply_format.error(error.code, error.message[:MAX_ERROR_MESSAGE])
     return encode_error(error.code, error.message)

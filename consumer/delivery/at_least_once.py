@@ -29,6 +29,7 @@ from confluent_kafka import KafkaError
 from kinference.consumer.delivery.answers import Delivery, InFlight, Record, Settled, StreamChunk, answer
 from kinference.consumer.ledger.commit import Ledger
 from kinference.consumer.ledger.request import Request
+from kinference.errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +49,26 @@ class AtLeastOnce:
         self._ledger = ledger
         self._dead_letter_topic = dead_letter_topic
         self._taken: list[Request] = []
+        self._misdirected: dict[Request, RequestError] = {}
+        """Taken requests whose reply partition does not exist (``answers.ReplyPartitions``), with their error."""
         self._outstanding: dict[Request, int] = {}
         """Records not yet acknowledged of each request."""
         self._answered: list[Request] = []
         """Answered since the last hand-over to the ledger."""
+        self._errors: dict[Request, RequestError] = {}
+        """The delivery's outcome of requests not answered yet whose records answer with an error not their own
+        (``Delivery.error``); rare, so that an ok answer costs no look-up."""
+        self._failed: set[Request] = set()
+        """Answered since the last hand-over, with an error their records gave them (see ``_errors``)."""
         self._landed: list[Delivery] = []
         self._closed = False
 
-    def take(self, requests: list[Request]) -> None:
-        """Finished requests (results or errors): answered in this turn."""
+    def take(self, requests: list[Request], misdirected: dict[Request, RequestError] | None = None) -> None:
+        """Finished requests (results or errors): answered in this turn; ``misdirected``, those whose reply partition
+        does not exist, with their error."""
         self._taken += requests
+        if misdirected:
+            self._misdirected.update(misdirected)
 
     def stream(self, chunks: Sequence[StreamChunk]) -> list[Record]:
         """Every chunk, produced now, best effort: not tracked for the commit (its request's final answers it)."""
@@ -66,16 +77,17 @@ class AtLeastOnce:
     def begin(self, _producer: Any, now: float, _final: bool) -> list[Delivery]:
         """The records that answer the requests taken this turn: the publisher produces them now."""
         taken, self._taken = self._taken, []
+        misdirected, self._misdirected = self._misdirected, {}
         deliveries = []
         for request in taken:
-            answers = answer(request, self._dead_letter_topic, now)
+            answers = answer(request, self._dead_letter_topic, now, misdirected.get(request) if misdirected else None)
             self._outstanding[request] = self._outstanding.get(request, 0) + len(answers)
             deliveries += answers
         return deliveries
 
     def delivered(self, delivery: Delivery) -> None:
         self._landed.append(delivery)
-        self._settle(delivery.request)
+        self._settle(delivery)
 
     def refused(self, delivery: Delivery, _error: KafkaError, replacements: list[Delivery] | None,
                 _at_once: bool) -> list[Delivery] | None:
@@ -87,15 +99,16 @@ class AtLeastOnce:
         request = delivery.request
         if request in self._outstanding:
             self._outstanding[request] += len(replacements)
-        self._settle(request)
+        self._settle(delivery)
         return replacements
 
     def end(self, _producer: Any, _in_flight: InFlight) -> Settled:
         """Hand the requests answered since the last turn to their ledger: the consumer commits their offsets."""
         answered, self._answered = self._answered, []
         landed, self._landed = self._landed, []
+        failed, self._failed = self._failed, set()
         if answered:
-            self._ledger.finish(answered)
+            self._ledger.finish(answered, failed)
         return Settled(answered, landed)
 
     def close(self) -> None:
@@ -105,13 +118,18 @@ class AtLeastOnce:
                         len(self._outstanding))
         self._closed = True
 
-    def _settle(self, request: Request) -> None:
-        """One record of ``request`` is done with (delivered, or given up on)."""
+    def _settle(self, delivery: Delivery) -> None:
+        """One record of its request is done with (delivered, or given up on)."""
+        request = delivery.request
         left = self._outstanding.get(request)
         if left is None:
             return  # given up on already (unanswerable)
+        if delivery.error is not None:
+            self._errors.setdefault(request, delivery.error)  # the first error stays, as ``Request.fail`` keeps it
         if left > 1:
             self._outstanding[request] = left - 1
             return
         del self._outstanding[request]
         self._answered.append(request)
+        if self._errors and self._errors.pop(request, None) is not None:
+            self._failed.add(request)

@@ -58,6 +58,7 @@ from kinference.consumer.ledger.commit import OffsetTracker, PartitionLedger
 from kinference.consumer.ledger.commits import Transactions
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
+from kinference.errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class ExactlyOnce:
         self._plans: dict[Request, list[Delivery]] = {}
         """The records that answer each request of a transaction; kept, with what replaced refused records, for
         the next transaction when this one aborts."""
+        self._misdirected: dict[Request, RequestError] = {}
+        """Held requests whose reply partition does not exist (``answers.ReplyPartitions``), with their error."""
         self._open: Transaction | None = None
         self._doomed: KafkaError | None = None
         """Why the open transaction cannot commit: one of its records was refused."""
@@ -123,8 +126,9 @@ class ExactlyOnce:
         """Finished requests waiting for their transaction."""
         return sum(len(requests) for requests in self._held.values())
 
-    def take(self, requests: list[Request]) -> None:
-        """Hold them all: they are answered in the transaction that commits their offsets."""
+    def take(self, requests: list[Request], misdirected: dict[Request, RequestError] | None = None) -> None:
+        """Hold them all: they are answered in the transaction that commits their offsets (``misdirected``: those
+        whose reply partition does not exist, with their error)."""
         held = []
         for request in requests:
             ledger: PartitionLedger | None = request.ledger
@@ -132,6 +136,8 @@ class ExactlyOnce:
                 continue  # its partition moved on: the new owner answers it
             self._held.setdefault(ledger, {})[request.offset] = request
             held.append(request)
+            if misdirected and request in misdirected:
+                self._misdirected[request] = misdirected[request]
         self._transactions.held = self.held  # before the ledger counts them finished: flow control sees them always
         self._tracker.finish(held)  # committable now; counted as held until their transaction commits
 
@@ -157,7 +163,8 @@ class ExactlyOnce:
         records = []
         for request in transaction.requests:
             # A plan may be empty: every record of it was given up on (unanswerable), and it commits as it is.
-            plan = plans[request] if request in plans else answer(request, self._dead_letter_topic, now)
+            plan = plans[request] if request in plans else answer(request, self._dead_letter_topic, now,
+                                                                  self._misdirected.get(request))
             self._plans[request] = plan
             records += plan
         return records
@@ -220,6 +227,9 @@ class ExactlyOnce:
         self._retrying(producer.commit_transaction, self._timeout_s)
         for request in transaction.requests:
             self._held[request.ledger].pop(request.offset, None)
+        if self._misdirected:
+            for request in transaction.requests:
+                self._misdirected.pop(request, None)
         self._transactions.held = self.held
         self._tracker.committed(transaction.positions)
         self._metrics.commits.inc()
@@ -269,4 +279,5 @@ class ExactlyOnce:
         """Held requests of partitions this member lost are the new owner's to serve."""
         for ledger in [ledger for ledger in self._held if not ledger.attached]:
             del self._held[ledger]
+        self._misdirected = {request: error for request, error in self._misdirected.items() if request.ledger.attached}
         self._transactions.held = self.held

@@ -5,8 +5,8 @@ in which the modes differ is there, and this module knows nothing of transaction
 
 Each turn of the publisher's loop, in order:
 
-1. take finished requests from the inbox. A reply partition the reply topic lacks fails its request
-   (``answers.ReplyPartitions``). The delivery mode takes them (``take``);
+1. take finished requests from the inbox. A reply partition the reply topic lacks answers its request with
+   ``bad_request`` on the default partition (``answers.ReplyPartitions``). The delivery mode takes them (``take``);
 2. produce again the records refused for a passing reason whose backoff is over;
 3. serve the delivery reports: each record's is handed to the delivery mode (``delivered``, ``refused``);
 4. produce what the delivery mode says is due (``begin``: at-least-once, the answers of the requests taken in step
@@ -101,14 +101,16 @@ class PublisherDown(RuntimeError):
     """The publisher thread is not running: finished requests have nowhere to go."""
 
 
-def observe(metrics: Metrics, requests: list[Request], now: float) -> None:
+def observe(metrics: Metrics, requests: list[Request], misdirected: dict[Request, RequestError], now: float) -> None:
     """Per-request metrics, taken when the requests reach the publisher: one update per metric and label set for
-    all of them (a micro-batch's requests mostly share their model, topic and outcome)."""
+    all of them (a micro-batch's requests mostly share their model, topic and outcome). ``misdirected``: the
+    requests answered with the error of a missing reply partition (``answers.ReplyPartitions``)."""
     outcomes: Tally[tuple[str, str, str]] = Tally()
     waits: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
     for request in requests:
         model = request.model.name if request.model is not None else UNSERVED_LABEL
-        outcomes[model, request.topic, "ok" if request.error is None else str(request.error.code)] += 1
+        error = request.error or (misdirected.get(request) if misdirected else None)
+        outcomes[model, request.topic, "ok" if error is None else str(error.code)] += 1
         lists = waits.get((model, request.topic))
         if lists is None:
             lists = waits[model, request.topic] = ([], [])
@@ -131,8 +133,9 @@ class DeliveryMode(Protocol):
     def replaces_producer(self) -> bool:
         """Whether a producer that failed for good may be replaced (else the service stops)."""
 
-    def take(self, requests: list[Request]) -> None:
-        """Finished requests (results or errors), from the inbox."""
+    def take(self, requests: list[Request], misdirected: dict[Request, RequestError] | None = None) -> None:
+        """Finished requests (results or errors), from the inbox; ``misdirected``: those whose reply partition does
+        not exist, with the error that answers them (``answers.ReplyPartitions.check``)."""
 
     def begin(self, producer: Any, now: float, final: bool) -> list[Delivery]:
         """The records to produce now (``final``: the last turn before stopping)."""
@@ -318,9 +321,9 @@ class Publisher:
         entry()
 
     def _take_finished(self, requests: list[Request]) -> None:
-        self._reply_partitions.check(requests)
-        observe(self._metrics, requests, time.monotonic())
-        self._delivery.take(requests)
+        misdirected = self._reply_partitions.check(requests)
+        observe(self._metrics, requests, misdirected, time.monotonic())
+        self._delivery.take(requests, misdirected)
 
     def _take_chunks(self, chunks: Sequence[StreamChunk]) -> None:
         self._produce_chunks(self._delivery.stream(chunks))
@@ -423,8 +426,10 @@ class Publisher:
             return deliveries
         request = refused.request
         self._metrics.unanswerable.inc()
-        request.fail(RequestError(f"unanswerable: {refused.record[0]} refused the {refused.kind.replace('_', ' ')}: "
-                                  f"{error.str()}", ErrorCode.INTERNAL_ERROR))
+        # The delivery's outcome, not the request's: its mode settles it with this error (``Delivery.outcome``).
+        refused.error = refused.error or RequestError(f"unanswerable: {refused.record[0]} refused the "
+                                                      f"{refused.kind.replace('_', ' ')}: {error.str()}",
+                                                      ErrorCode.INTERNAL_ERROR)
         log.error("unanswerable request: %s refused its %s (%s) and nothing smaller can replace it; it is committed "
                   "past without it", refused.record[0], refused.kind.replace("_", " "), error, extra=about(request))
         return deliveries
@@ -444,7 +449,7 @@ class Publisher:
         """The records that count as delivered this turn, by kind, added to the metrics once per turn."""
         if not landed:
             return
-        counted = Tally(delivery.kind if delivery.kind == "dead_letter" or delivery.request.ok else "error"
+        counted = Tally(delivery.kind if delivery.kind == "dead_letter" or delivery.outcome is None else "error"
                         for delivery in landed)
         for kind, count in counted.items():
             if kind == "dead_letter":

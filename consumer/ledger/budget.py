@@ -3,8 +3,9 @@
 A request count alone does not bound memory: 150 requests of a 959 KB array of two-character strings once took
 the service's RSS from 61 MB to 2,188 MB (~14 MB each decoded), and the default count (2,048) would have allowed
 ~35 GB. So each request is charged what its value holds once decoded (``Request.held_bytes``, estimated from its
-bytes by the decoder) from the poll thread's decode until the publisher takes its answer: then its payload and
-item are let go, and what remains of it (the raw value, the reply) is bounded by the count. Flow control pauses
+bytes by the decoder) from the poll thread's decode until the publisher takes its answer: by then the runner has let its
+payload and item go (``path.stages``, after postprocess), and what remains of it (the raw value, the reply) is
+bounded by the count. The budget writes no request: it keeps what it charged each one itself. Flow control pauses
 the partitions once one more record would carry the budget past ``max_in_flight_bytes`` (``full``) and resumes
 them at half, and the poll thread takes fewer records per poll as the budget fills (``records_allowed``), so that
 one poll cannot overshoot it many times over.
@@ -27,6 +28,8 @@ class ByteBudget:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._held = 0
+        self._charged: dict[Request, int] = {}
+        """What each request in flight was charged: released once, whoever releases it again."""
         self._mean = 0.0
         """Bytes per record, a moving mean over the polls."""
         self._lock = threading.Lock()
@@ -45,7 +48,11 @@ class ByteBudget:
         """Count what one poll's requests hold. Poll thread."""
         if not requests:
             return
-        charged = sum(request.held_bytes for request in requests)
+        sizes = self._charged
+        charged = 0
+        for request in requests:
+            sizes[request] = size = request.held_bytes
+            charged += size
         mean = charged / len(requests)
         # Up at once, down slowly: a burst of large requests after small ones is planned for from its first poll.
         self._mean = max(mean, self._mean + _MEAN_WEIGHT * (mean - self._mean))
@@ -53,13 +60,12 @@ class ByteBudget:
             self._held += charged
 
     def release(self, requests: Iterable[Request]) -> None:
-        """These requests no longer hold their decoded value: let it go, and count it released. A request is released
-        once, whoever calls this again."""
+        """These requests no longer hold their decoded value (their runner let it go): count what they were charged
+        released. A request is released once, whoever calls this again."""
+        sizes = self._charged
         released = 0
         for request in requests:
-            released += request.held_bytes
-            request.held_bytes = 0
-            request.payload = request.item = None
+            released += sizes.pop(request, 0)
         if released:
             with self._lock:
                 self._held -= released

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Protocol
 
 from confluent_kafka import TopicPartition
@@ -47,7 +47,9 @@ class Ledger(Protocol):
     become committable) or a share group's ``share.ShareLedger`` (their records are acknowledged). The service waits
     on it at stop, never asking which it is."""
 
-    def finish(self, requests: Iterable[Request]) -> None: ...
+    def finish(self, requests: Iterable[Request], failed: Container[Request] = ()) -> None:
+        """These requests are answered; ``failed``, those of them the delivery answered with an error of its own
+        (``delivery.answers.Delivery.error``: their own ``error`` is None)."""
 
     @property
     def in_flight(self) -> int:
@@ -189,9 +191,10 @@ class OffsetTracker:
                 if ledger is not None:
                     ledger.pass_to(position)
 
-    def finish(self, requests: Iterable[Request]) -> None:
-        """These records are answered (replies acknowledged by the broker, or held for the transaction). Many at
-        once: one lock for all the acknowledgements one poll of the producer brought."""
+    def finish(self, requests: Iterable[Request], failed: Container[Request] = ()) -> None:
+        """These records are answered (replies acknowledged by the broker, or held for the transaction), whatever
+        with (``failed``: not this ledger's concern). Many at once: one lock for all the acknowledgements one poll
+        of the producer brought."""
         with self._cond:
             for request in requests:
                 ledger: PartitionLedger | None = request.ledger

@@ -47,8 +47,8 @@ class Request:
     deadline_ms: int | None = None
     reply_partition: int | None = None
     """As the headers ask. Changed later by a generative model's runner, which pins a keyless stream's partition at
-    its first chunk (``generations``), then by the publisher's thread alone: dropped when the reply topic has no
-    such partition (``answers.ReplyPartitions``)."""
+    its first chunk (``generations``). Delivery never writes it: a partition the reply topic lacks is the delivery's
+    outcome (``answers.ReplyPartitions``), and the reply goes to the default partition."""
     unroutable: bool = False
     """True when the record's headers could not be read at all, so nobody knows where its caller waits for a
     reply: only its dead letter answers it."""
@@ -64,10 +64,10 @@ class Request:
     A generative model's engine replaces it for a stream's final answer."""
     payload: Any | None = None
     """The parsed record value (JSON, the raw bytes for ``bytes`` handlers, a ``Record``); None when it could not be
-    decoded. ``budget.ByteBudget.release`` drops it (None again) once the stages are done with it."""
+    decoded. Its runner drops it (None again) once done with it (``path.stages``, after postprocess)."""
     held_bytes: int = 0
-    """About the memory its value holds, raw and decoded; ``budget.ByteBudget`` counts it while in flight and sets
-    it to 0 when it releases the request."""
+    """About the memory its value holds, raw and decoded (the decoder's estimate); ``budget.ByteBudget`` charges it
+    while in flight, keeping what it charged itself: it never writes the request."""
 
     # --- Added by the intake and admission (poll thread).
     ledger: Any = field(default=None, repr=False)
@@ -79,7 +79,7 @@ class Request:
     off."""
     item: Any | None = None
     """What the handler's ``validate`` made of the payload (``admission``); ``preprocess`` gets these. None until
-    admitted, and for a request that failed before; released with ``payload``."""
+    admitted, and for a request that failed before; dropped with ``payload`` by its runner."""
     tokens: int | None = None
     """The handler's ``cost`` of the item (its tokens, ``admission``); None when the handler does not count them."""
 
@@ -97,9 +97,11 @@ class Request:
     inference_ms: float = 0.0
     """How long its micro-batch's inference took; 0 until computed."""
 
-    # --- Its outcome: any step, each through ``fail``.
+    # --- Its outcome: the decoder, the path and the runner, each through ``fail``.
     error: RequestError | None = None
-    """The first error (``fail``); None while the request is ok."""
+    """The first error (``fail``); None while the request is ok. Delivery never writes it: an answer that fails
+    for delivery's own reasons (a missing reply partition, a result too large to publish, unanswerable) is the
+    delivery's outcome (``delivery.answers.Delivery.outcome``), which reads this first."""
 
     @property
     def ok(self) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from enum import IntEnum
 
 from kinference.consumer.ledger.request import Request
@@ -62,10 +62,12 @@ class ShareLedger:
             self._acquired.update((key[0], key[1], offset) for key, offset in records)
         return [_RECORD] * len(records)
 
-    def finish(self, requests: Iterable[Request]) -> None:
-        """These records are answered: a reply is accepted, an error reply (with its dead letter) rejected."""
-        self._settle((request, AcknowledgeType.ACCEPT if request.ok else AcknowledgeType.REJECT)
-                     for request in requests)
+    def finish(self, requests: Iterable[Request], failed: Container[Request] = ()) -> None:
+        """These records are answered: a reply is accepted, an error reply (with its dead letter) rejected, whether
+        the error is the request's own or the delivery's (``failed``: a missing reply partition, a result too large,
+        unanswerable)."""
+        self._settle((request, AcknowledgeType.ACCEPT if request.ok and request not in failed
+                      else AcknowledgeType.REJECT) for request in requests)
 
     def abandon(self, requests: Iterable[Request]) -> None:
         """These records will not be answered here: the broker delivers them again."""

@@ -227,6 +227,9 @@ class Pipeline:
             micro_batch.trace.span.end()
         with self._settle_lock:
             self._in_progress -= len(micro_batch.requests)
+        for request in micro_batch.requests:
+            # Done with: their decoded values go now, not when their answers are delivered (``ledger.budget``).
+            request.payload = request.item = None
         self._emit(micro_batch.requests)
 
     def _dispatch(self) -> None:

@@ -48,16 +48,20 @@ def test_the_estimate_is_never_below_what_a_value_holds(monkeypatch):
         assert held <= jsonscan.decoded_bytes(value) <= 5 * held, value[:40]
 
 
-def test_charge_and_release_count_each_request_once_and_let_its_payload_go():
+def test_charge_and_release_count_each_request_once_and_never_write_it():
+    """Issue 37: the budget keeps what it charged; the runner lets the payload go (``test_stages``)."""
     budget = ByteBudget(max_bytes=10_000_000)
     requests = [DECODER.decode(FakeRecord(strings_value(100_000))) for _ in range(3)]
+    sizes = [request.held_bytes for request in requests]
     budget.charge(requests)
-    assert budget.held == sum(request.held_bytes for request in requests) > 3 * 1_000_000
+    assert budget.held == sum(sizes) > 3 * 1_000_000
     budget.release(requests[:1])
     budget.release(requests[:1])  # again: nothing more
-    assert budget.held == requests[1].held_bytes + requests[2].held_bytes
-    assert requests[0].payload is None and requests[1].payload is not None
+    assert budget.held == sizes[1] + sizes[2]
+    assert [request.held_bytes for request in requests] == sizes and requests[0].payload is not None
     budget.release(requests)
+    assert budget.held == 0
+    budget.release([DECODER.decode(FakeRecord(b'{"never": "charged"}'))])
     assert budget.held == 0
 
 

@@ -249,7 +249,10 @@ def test_a_bad_record_asking_for_a_forbidden_topic_is_answered_on_the_default_to
 def test_an_ok_request_without_a_result_gets_an_internal_error_reply_not_a_crash():
     request = DECODER.decode(FakeRecord(b"1"))
     value = orjson.loads(answers.reply_value(request))
-    assert value["error"]["code"] == "internal_error" and request.error.code == ErrorCode.INTERNAL_ERROR
+    assert value["error"]["code"] == "internal_error"
+    (reply,) = answers.answer(request, "dead-letters", now=1.0)  # the delivery's outcome; the request is not written
+    assert reply.outcome is not None and reply.outcome.code == ErrorCode.INTERNAL_ERROR and request.ok
+    assert dict(reply.record[3])[protocol.ERROR_CODE] == b"internal_error"
 
 
 def test_a_request_nested_deeper_than_the_limit_is_a_bad_request_at_decode():

@@ -124,19 +124,32 @@ def test_results_match_requests_when_micro_batches_finish_out_of_order():
     # The first micro-batch is the slowest, so later ones overtake it in the inference pool.
     handler = SquareHandler(infer_delay=lambda inputs: 0.2 if inputs[0] == 0 else 0.0)
     batch = [make_request({"x": i}) for i in range(16)]
+    sent = {id(r): r.payload["x"] for r in batch}  # the stages let the payloads go once done with them
     emitted = run_pipeline(handler, [batch], micro=4, threads=(2, 3, 2))
     assert len(emitted) == 16 and {id(r) for r in emitted} == {id(r) for r in batch}
-    assert [r.payload["x"] for r in emitted[:4]] != [0, 1, 2, 3]  # really out of order
+    assert [sent[id(r)] for r in emitted[:4]] != [0, 1, 2, 3]  # really out of order
     for request in batch:
-        assert reply(request) == {"y": request.payload["x"] ** 2}
+        assert reply(request) == {"y": sent[id(request)] ** 2}
 
 
 def test_torchserve_micro_batching_config_shares_one_handler():
     handler = SquareHandler(infer_delay=lambda inputs: 0.01)
     batches = [[make_request({"x": i + 10 * b}) for i in range(8)] for b in range(5)]
+    sent = {id(r): r.payload["x"] for batch in batches for r in batch}
     emitted = run_pipeline(handler, batches, micro=4, threads=(2, 1, 2))
-    assert len(emitted) == 40 and all(reply(r) == {"y": r.payload["x"] ** 2} for r in emitted)
+    assert len(emitted) == 40 and all(reply(r) == {"y": sent[id(r)] ** 2} for r in emitted)
     assert handler.max_concurrent == 1  # one inference thread
+
+
+def test_the_stages_let_each_request_s_decoded_value_go_when_they_hand_it_on():
+    """Issue 37: the runner, not the byte budget, drops what a finished request holds decoded: the publisher keeps
+    it until its answer is delivered, and must not keep its payload alive meanwhile."""
+    batch = [make_request({"x": i}) for i in range(6)] + [make_request({"x": "one"})]
+    emitted = run_pipeline(SquareHandler(infer_delay=lambda inputs: 0.0), [batch], micro=4, threads=(1, 1, 1))
+    assert len(emitted) == 7 and batch[0].item is None
+    assert all(request.payload is None and request.item is None for request in emitted)
+    assert [reply(request) for request in batch[:6]] == [{"y": i * i} for i in range(6)]
+    assert not batch[6].ok  # failed at admission, its payload let go with its micro-batch's
 
 
 def test_one_inference_slot_per_thread():
