@@ -167,17 +167,45 @@ class StreamChunk:
 
 def answer(request: Request, dead_letter_topic: str, now: float, misdirected: RequestError | None = None
            ) -> list[Delivery]:
-    """The records that answer ``request`` now. ``misdirected``: its reply partition does not exist
-    (``ReplyPartitions.check``): the reply goes to the default partition, with that error unless the request has its
-    own."""
+    """The records that answer ``request`` now (``answer_all`` of one)."""
+    return answer_all([request], dead_letter_topic, now, {request: misdirected} if misdirected else None)
+
+
+def answer_all(requests: Iterable[Request], dead_letter_topic: str, now: float,
+               misdirected: dict[Request, RequestError] | None = None) -> list[Delivery]:
+    """The records that answer ``requests`` now, written in one pass: what a micro-batch's replies share (their
+    batch headers) is made once (``BatchHeaders``). ``misdirected``: the requests whose reply partition does not
+    exist (``ReplyPartitions.check``), each with its error: its reply goes to the default partition, with that error
+    unless the request has its own."""
     deliveries = []
-    if not request.unroutable:
-        partition = request.reply_partition if misdirected is None else None
-        deliveries.append(_reply(request, now, misdirected, partition))
-    if request.dead_letter:
-        error = request.error or RequestError("the record is not a valid request", ErrorCode.BAD_REQUEST)
-        deliveries.append(_dead_letter(request, dead_letter_topic, error, now, error=misdirected))
+    shared = BatchHeaders()
+    for request in requests:
+        wrong = misdirected.get(request) if misdirected else None
+        if not request.unroutable:
+            partition = request.reply_partition if wrong is None else None
+            deliveries.append(_reply(request, now, wrong, partition, shared))
+        if request.dead_letter:
+            error = request.error or RequestError("the record is not a valid request", ErrorCode.BAD_REQUEST)
+            deliveries.append(_dead_letter(request, dead_letter_topic, error, now, error=wrong))
     return deliveries
+
+
+class BatchHeaders:
+    """The reply headers that every request of one micro-batch shares (its size and inference time), made once per
+    micro-batch rather than once per reply."""
+
+    __slots__ = ("_made",)
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, float], Headers] = {}
+
+    def of(self, request: Request) -> Headers:
+        key = (request.batch_size, request.inference_ms)
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = [(BATCH_SIZE, str(request.batch_size).encode()),
+                                      (INFERENCE_MS, b"%.3f" % request.inference_ms)]
+        return made
 
 
 class ReplyPartitions:
@@ -237,14 +265,15 @@ def replacement(refused: Delivery, error: KafkaError, dead_letter_topic: str, no
     return []
 
 
-def _reply(request: Request, now: float, error: RequestError | None, partition: int | None) -> Delivery:
+def _reply(request: Request, now: float, error: RequestError | None, partition: int | None,
+           shared: BatchHeaders | None = None) -> Delivery:
     """``error``: the delivery's, answering in place of a request without one of its own."""
     if request.error is None and error is None and request.reply_value is None:
         # postprocess sets reply_value on every ok request; if that ever fails, the caller still gets an answer.
         error = RequestError("the request finished without a result", ErrorCode.INTERNAL_ERROR)
     outcome = request.error or error
     value = reply_value(request, outcome)  # first: the value's format may put its schema id in a header
-    record = (request.reply_topic, value, request.key, reply_headers(request, now, outcome), partition)
+    record = (request.reply_topic, value, request.key, reply_headers(request, now, outcome, shared), partition)
     return Delivery(request, "reply", record, now, error=None if request.error is not None else error)
 
 
@@ -257,13 +286,18 @@ def _dead_letter(request: Request, topic: str, reason: RequestError, now: float,
     return Delivery(request, "dead_letter", record, now, reason=reason, original=original, error=error)
 
 
-def reply_headers(request: Request, now: float, outcome: RequestError | None = None) -> Headers:
+_OK = (STATUS, b"ok")
+_ERROR = (STATUS, b"error")
+
+
+def reply_headers(request: Request, now: float, outcome: RequestError | None = None,
+                  shared: BatchHeaders | None = None) -> Headers:
     """Headers of the reply: status, correlation and the server-side timings clients report on. ``outcome``: the
-    error the reply answers with (by default the request's own)."""
+    error the reply answers with (by default the request's own); ``shared``: its micro-batch's common headers."""
     outcome = outcome or request.error
     headers: Headers = [
         (CORRELATION_ID, request.correlation_id.encode()),
-        (STATUS, b"ok" if outcome is None else b"error"),
+        _OK if outcome is None else _ERROR,
         (SERVICE_MS, _ms(now - request.received)),
     ]
     if request.spring_correlation_id is not None:
@@ -271,11 +305,8 @@ def reply_headers(request: Request, now: float, outcome: RequestError | None = N
     if outcome is not None:
         headers.append((ERROR_CODE, str(outcome.code).encode()))
     if request.dispatched is not None:
-        headers += [
-            (QUEUE_MS, _ms(request.dispatched - request.received)),
-            (BATCH_SIZE, str(request.batch_size).encode()),
-            (INFERENCE_MS, f"{request.inference_ms:.3f}".encode()),
-        ]
+        headers.append((QUEUE_MS, _ms(request.dispatched - request.received)))
+        headers += (shared or BatchHeaders()).of(request)
     if request.model is not None:
         headers += request.model.reply_headers
     if request.reply_format is not None:
@@ -318,4 +349,4 @@ def _omitted(request: Request) -> Headers:
 
 
 def _ms(seconds: float) -> bytes:
-    return f"{seconds * 1000:.3f}".encode()
+    return b"%.3f" % (seconds * 1000)

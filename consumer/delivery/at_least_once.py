@@ -26,7 +26,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError
 
-from kinference.consumer.delivery.answers import Delivery, InFlight, Record, Settled, StreamChunk, answer
+from kinference.consumer.delivery.answers import Delivery, InFlight, Record, Settled, StreamChunk, answer_all
 from kinference.consumer.ledger.commit import Ledger
 from kinference.consumer.ledger.request import Request
 from kinference.errors import RequestError
@@ -78,11 +78,11 @@ class AtLeastOnce:
         """The records that answer the requests taken this turn: the publisher produces them now."""
         taken, self._taken = self._taken, []
         misdirected, self._misdirected = self._misdirected, {}
-        deliveries = []
-        for request in taken:
-            answers = answer(request, self._dead_letter_topic, now, misdirected.get(request) if misdirected else None)
-            self._outstanding[request] = self._outstanding.get(request, 0) + len(answers)
-            deliveries += answers
+        deliveries = answer_all(taken, self._dead_letter_topic, now, misdirected)
+        outstanding = self._outstanding
+        for delivery in deliveries:
+            request = delivery.request
+            outstanding[request] = outstanding.get(request, 0) + 1
         return deliveries
 
     def delivered(self, delivery: Delivery) -> None:

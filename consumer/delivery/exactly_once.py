@@ -53,7 +53,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from kinference.consumer.delivery.answers import Delivery, InFlight, Record, Settled, StreamChunk, answer
+from kinference.consumer.delivery.answers import Delivery, InFlight, Record, Settled, StreamChunk, answer_all
 from kinference.consumer.ledger.commit import OffsetTracker, PartitionLedger
 from kinference.consumer.ledger.commits import Transactions
 from kinference.consumer.ledger.request import Request
@@ -160,12 +160,13 @@ class ExactlyOnce:
         self._open, self._doomed, self._landed = transaction, None, []
         # Plans of requests not in this transaction are stale: their partition moved to another member.
         plans, self._plans = self._plans, {}
+        fresh = [request for request in transaction.requests if request not in plans]
+        for delivery in answer_all(fresh, self._dead_letter_topic, now, self._misdirected):
+            plans.setdefault(delivery.request, []).append(delivery)
         records = []
         for request in transaction.requests:
             # A plan may be empty: every record of it was given up on (unanswerable), and it commits as it is.
-            plan = plans[request] if request in plans else answer(request, self._dead_letter_topic, now,
-                                                                  self._misdirected.get(request))
-            self._plans[request] = plan
+            plan = self._plans[request] = plans.get(request, [])
             records += plan
         return records
 

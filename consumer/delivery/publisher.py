@@ -103,26 +103,41 @@ class PublisherDown(RuntimeError):
 
 def observe(metrics: Metrics, requests: list[Request], misdirected: dict[Request, RequestError], now: float) -> None:
     """Per-request metrics, taken when the requests reach the publisher: one update per metric and label set for
-    all of them (a micro-batch's requests mostly share their model, topic and outcome). ``misdirected``: the
+    all of them. A micro-batch's requests share their model and topic (the common case: its labels are looked up
+    once, and each request costs a subtraction); others are grouped by label set first. ``misdirected``: the
     requests answered with the error of a missing reply partition (``answers.ReplyPartitions``)."""
-    outcomes: Tally[tuple[str, str, str]] = Tally()
-    waits: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    if not requests:
+        return
+    first = requests[0]
+    model, topic = first.model, first.topic
+    groups = ([requests] if all(request.model is model and request.topic == topic for request in requests)
+              else _by_labels(requests))
+    for group in groups:
+        _observe_group(metrics, group, misdirected, now)
+
+
+def _by_labels(requests: list[Request]) -> list[list[Request]]:
+    groups: dict[tuple[Any, str], list[Request]] = {}
     for request in requests:
-        model = request.model.name if request.model is not None else UNSERVED_LABEL
-        error = request.error or (misdirected.get(request) if misdirected else None)
-        outcomes[model, request.topic, "ok" if error is None else str(error.code)] += 1
-        lists = waits.get((model, request.topic))
-        if lists is None:
-            lists = waits[model, request.topic] = ([], [])
-        service, queued = lists
-        service.append(now - request.received)
-        if request.dispatched is not None:
-            queued.append(request.dispatched - request.received)
-    for outcome, count in outcomes.items():
-        metrics.labelled(metrics.requests, *outcome).inc(count)
-    for labels, (service, queued) in waits.items():
-        observe_many(metrics.labelled(metrics.service_seconds, *labels), service)
-        observe_many(metrics.labelled(metrics.queue_wait, *labels), queued)
+        groups.setdefault((request.model, request.topic), []).append(request)
+    return list(groups.values())
+
+
+def _observe_group(metrics: Metrics, requests: list[Request], misdirected: dict[Request, RequestError],
+                   now: float) -> None:
+    """``observe`` for requests of one model and topic."""
+    first = requests[0]
+    labels = (first.model.name if first.model is not None else UNSERVED_LABEL, first.topic)
+    codes = Tally(str(error.code) for error in (request.error or (misdirected.get(request) if misdirected else None)
+                                                for request in requests) if error is not None)
+    ok = len(requests) - sum(codes.values())
+    if ok:
+        codes["ok"] = ok
+    for code, count in codes.items():
+        metrics.labelled(metrics.requests, *labels, code).inc(count)
+    observe_many(metrics.labelled(metrics.service_seconds, *labels), [now - request.received for request in requests])
+    observe_many(metrics.labelled(metrics.queue_wait, *labels),
+                 [request.dispatched - request.received for request in requests if request.dispatched is not None])
 
 
 class DeliveryMode(Protocol):
@@ -221,6 +236,9 @@ class Publisher:
         self._order = itertools.count()
         self._fatal: KafkaError | None = None
         self._last_success = time.monotonic()
+        self._successes = 0
+        """Records delivered, ever: ``_stalled`` reads the clock once a turn, not each report."""
+        self._successes_seen = 0
         self._settled = False
         """The last turn found the service stopping with nothing left in the inbox, and made durable what it could."""
         self.failure: str | None = None
@@ -335,8 +353,7 @@ class Publisher:
 
     def _settle(self, now: float) -> None:
         final = self._stopping.is_set() and self._inbox.empty()
-        for delivery in self._delivery.begin(self._producer, now, final):
-            self._send(delivery)
+        self._send_all(self._delivery.begin(self._producer, now, final))
         settled = self._delivery.end(self._producer, self._in_flight)
         if settled.failure is not None:
             self._fail(settled.failure)
@@ -367,6 +384,29 @@ class Publisher:
             self._metrics.labelled(self._metrics.delivery_failures, "chunk").inc()
             log.warning("a stream chunk was not delivered: %s", error)
 
+    def _send_all(self, deliveries: list[Delivery]) -> None:
+        """``_send`` each of a turn's records, in one pass: what is the same for all of them (the producer, the
+        report callback, the epoch) is looked up once. Only the report stays per record (see the module)."""
+        produce, report, in_flight = self._producer.produce, self._on_delivery, self._in_flight
+        records, epoch = in_flight.records, in_flight.epoch
+        for place, delivery in enumerate(deliveries):
+            topic, value, key, headers, partition = delivery.record
+            delivery.attempts += 1
+            try:
+                if partition is None:
+                    produce(topic, value, key, headers=headers, on_delivery=partial(report, delivery))
+                else:
+                    produce(topic, value, key, headers=headers, on_delivery=partial(report, delivery),
+                            partition=partition)
+            except (BufferError, KafkaException):
+                # librdkafka's queue is full, or it refused the record at once: the careful path, one by one.
+                delivery.attempts -= 1
+                for rest in deliveries[place:]:
+                    self._send(rest)
+                return
+            delivery.epoch = epoch
+            records[delivery] = None
+
     def _send(self, delivery: Delivery) -> None:
         topic, value, key, headers, partition = delivery.record
         kwargs = {} if partition is None else {"partition": partition}
@@ -386,17 +426,20 @@ class Publisher:
                 return
 
     def _on_delivery(self, delivery: Delivery, error: KafkaError | None, _message: Any) -> None:
-        if delivery.epoch != self._in_flight.epoch:
+        """A record's delivery report: the one piece of Python work each record costs this thread on success."""
+        in_flight = self._in_flight
+        if delivery.epoch != in_flight.epoch:
             return  # stale: produced again since, by a new producer, or in a transaction that aborted
-        if error is not None and (self._fatal is not None or error.fatal()):
+        if error is None:
+            del in_flight.records[delivery]
+            self._successes += 1
+            self._delivery.delivered(delivery)
+            return
+        if self._fatal is not None or error.fatal():
             self._fatal = self._fatal or error  # it stays in flight: the next producer produces it again
             return
-        del self._in_flight.records[delivery]
-        if error is not None:
-            self._refused(delivery, error, at_once=False)
-            return
-        self._last_success = time.monotonic()
-        self._delivery.delivered(delivery)
+        del in_flight.records[delivery]
+        self._refused(delivery, error, at_once=False)
 
     def _refused(self, delivery: Delivery, error: KafkaError, *, at_once: bool) -> None:
         refusal = classify(error)
@@ -493,7 +536,8 @@ class Publisher:
         """No successful delivery for the stall timeout while records wait for one: the producer hands out
         records but nothing lands (after a broker lost its state, librdkafka's idempotent producer can fail
         every record without ever raising a fatal error)."""
-        if not self._outstanding():
+        if not self._outstanding() or self._successes != self._successes_seen:
+            self._successes_seen = self._successes
             self._last_success = time.monotonic()
             return False
         return time.monotonic() - self._last_success > self._stall_timeout_s

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Container, Iterable, Sequence
 from typing import Protocol
 
@@ -60,14 +59,23 @@ class Ledger(Protocol):
 
 
 class PartitionLedger:
-    """The offsets of one partition in one assignment that are consumed and not yet committable."""
+    """The offsets of one partition in one assignment that are consumed and not yet committable.
 
-    __slots__ = ("_done", "_pending", "abandoned", "attached", "key", "last_tracked", "passed", "position")
+    Answers come a batch at a time, and mostly in order: finishing the run of offsets at the head of the ledger is
+    one comparison and one step (``finish_run``), whatever its length; only offsets finished ahead of an unanswered
+    one are held one by one (``_done``) until it is answered."""
+
+    __slots__ = ("_done", "_head", "_pending", "abandoned", "attached", "key", "last_tracked", "passed", "position")
+
+    _COMPACT = 4096
+    """Offsets finished at the head before the list of tracked offsets drops them."""
 
     def __init__(self, key: PartitionKey) -> None:
         self.key = key
-        self._pending: deque[int] = deque()
-        """Tracked offsets, ascending, from the first one not answered (finished ones above it wait in ``_done``)."""
+        self._pending: list[int] = []
+        """Tracked offsets, ascending; those from ``_head`` on are not committable yet (finished ones above the first
+        unanswered one wait in ``_done``)."""
+        self._head = 0
         self._done: set[int] = set()
         self.abandoned = 0
         self.position: int | None = None
@@ -79,7 +87,7 @@ class PartitionLedger:
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending) - len(self._done) - self.abandoned
+        return len(self._pending) - self._head - len(self._done) - self.abandoned
 
     def track(self, offset: int) -> None:
         """Register ``offset``, above every offset tracked before (``OffsetTracker.track`` sees to it)."""
@@ -88,13 +96,26 @@ class PartitionLedger:
         self._pending.append(offset)
 
     def finish(self, offset: int) -> None:
-        self._done.add(offset)
-        if not self._pending or self._pending[0] not in self._done:
-            return  # nothing new to commit: the first unanswered record is still the same
-        while self._pending and self._pending[0] in self._done:
-            self._done.discard(self._pending.popleft())
+        self.finish_run([offset])
+
+    def finish_run(self, offsets: list[int]) -> None:
+        """These offsets (ascending) are answered."""
+        pending, head, done = self._pending, self._head, self._done
+        if not done and pending[head:head + len(offsets)] == offsets:
+            head += len(offsets)  # the run at the head, in one step: the common case
+        else:
+            done.update(offsets)
+            if head == len(pending) or pending[head] not in done:
+                return  # nothing new to commit: the first unanswered record is still the same
+            while head < len(pending) and pending[head] in done:
+                done.discard(pending[head])
+                head += 1
         # Whatever lies between a finished record and the next tracked one was never handed over: a gap.
-        self.position = self._pending[0] if self._pending else self.passed
+        self.position = pending[head] if head < len(pending) else self.passed
+        if head >= self._COMPACT and 2 * head >= len(pending):
+            del pending[:head]
+            head = 0
+        self._head = head
 
     def pass_to(self, position: int) -> None:
         """The consumer's next record will be at ``position`` or above: the offsets up to it that were never
@@ -102,7 +123,7 @@ class PartitionLedger:
         if position <= self.passed:
             return
         self.passed = position
-        if not self._pending:
+        if self._head == len(self._pending):
             self.position = position
 
 
@@ -195,11 +216,11 @@ class OffsetTracker:
         """These records are answered (replies acknowledged by the broker, or held for the transaction), whatever
         with (``failed``: not this ledger's concern). Many at once: one lock for all the acknowledgements one poll
         of the producer brought."""
+        runs = _runs(requests)
         with self._cond:
-            for request in requests:
-                ledger: PartitionLedger | None = request.ledger
-                if ledger is not None and ledger.attached:
-                    ledger.finish(request.offset)
+            for ledger, offsets in runs:
+                if ledger.attached:
+                    ledger.finish_run(offsets)
             self._cond.notify_all()
 
     def abandon(self, requests: Iterable[Request]) -> None:
@@ -253,3 +274,19 @@ class OffsetTracker:
             for tp in offsets:
                 if (tp.topic, tp.partition) in self._ledgers:
                     self._committed[(tp.topic, tp.partition)] = tp.offset
+
+
+def _runs(requests: Iterable[Request]) -> list[tuple[PartitionLedger, list[int]]]:
+    """The offsets of ``requests``, ascending, per ledger (none for a request without one): one ledger in the common
+    case, a micro-batch's requests being of one partition."""
+    requests = list(requests)
+    if not requests:
+        return []
+    ledger: PartitionLedger | None = requests[0].ledger
+    if ledger is not None and all(request.ledger is ledger for request in requests):
+        return [(ledger, sorted([request.offset for request in requests]))]
+    by_ledger: dict[PartitionLedger, list[int]] = {}
+    for request in requests:
+        if request.ledger is not None:
+            by_ledger.setdefault(request.ledger, []).append(request.offset)
+    return [(ledger, sorted(offsets)) for ledger, offsets in by_ledger.items()]

@@ -245,3 +245,42 @@ def test_a_fetch_is_tracked_in_one_call_each_record_with_its_own_ledger(caplog):
     assert positions(tracker) == {P0: 4}, "the detached ledger's answers move nothing; 4 is unanswered"
     tracker.finish([fetch[5], fetch[3]])
     assert positions(tracker) == {P0: 5, ("requests", 1): 8} and tracker.in_flight == 0
+
+
+def test_runs_of_answers_in_any_order_and_any_grouping_move_the_position_as_one_by_one_would():
+    """Issue 38: the ledger finishes a batch of offsets in one call (a run at its head in one step). Whatever the
+    order and grouping of the answers, over two partitions, gaps and more offsets than it compacts at, the position
+    is always the first tracked offset not answered, and the in-flight count what is left."""
+    rng = random.Random(38)
+    p1 = ("requests", 1)
+    tracker = OffsetTracker()
+    tracker.assign([P0, p1])
+    offsets = sorted(rng.sample(range(12_000), 9_000))  # gaps: offsets never handed over
+    requests = [make_request(partition=partition, offset=offset) for offset in offsets for partition in (0, 1)]
+    for request in requests:
+        track(tracker, request)
+    answered: set[tuple[int, int]] = set()
+    # Mostly in order, in runs of up to 64, with some answers held back and given late.
+    pending = list(requests)
+    held_back: list = []
+    while pending or held_back:
+        size = rng.randint(1, 64)
+        batch, pending = pending[:size], pending[size:]
+        if rng.random() < 0.3 and batch:
+            held_back.append(batch.pop(rng.randrange(len(batch))))
+        if held_back and (rng.random() < 0.2 or not pending):
+            late = rng.randint(1, len(held_back))
+            batch, held_back = batch + held_back[:late], held_back[late:]
+        rng.shuffle(batch)
+        tracker.finish(batch)
+        answered.update((request.partition, request.offset) for request in batch)
+        for partition in (0, 1):
+            left = [offset for offset in offsets if (partition, offset) not in answered]
+            position = positions(tracker).get(("requests", partition))
+            if left and left[0] != offsets[0]:
+                assert position == left[0]
+            elif left:
+                assert position is None
+        assert tracker.in_flight == 2 * len(offsets) - len(answered)
+    tracker.passed([(P0, 12_000), (p1, 12_000)])
+    assert positions(tracker) == {P0: 12_000, p1: 12_000} and tracker.in_flight == 0
