@@ -104,6 +104,9 @@ class Delivery:
     original: bool = True
     """A dead letter with the original value and headers (False once they made it too large)."""
     attempts: int = 0
+    counts_as: str = "ok"
+    """What it counts as once delivered (``kinference_replies_total``'s ``ok`` or ``error``, or ``dead_letter``):
+    known when it is written, so that counting a turn's records reads one field of each."""
     epoch: int = 0
     """``InFlight.epoch`` when it was last produced: a report from an earlier one (a replaced producer, an aborted
     transaction) is stale."""
@@ -199,12 +202,11 @@ class BatchHeaders:
     def __init__(self) -> None:
         self._made: dict[tuple[int, float], Headers] = {}
 
-    def of(self, request: Request) -> Headers:
-        key = (request.batch_size, request.inference_ms)
-        made = self._made.get(key)
+    def of(self, batch_size: int, inference_ms: float) -> Headers:
+        made = self._made.get((batch_size, inference_ms))
         if made is None:
-            made = self._made[key] = [(BATCH_SIZE, str(request.batch_size).encode()),
-                                      (INFERENCE_MS, b"%.3f" % request.inference_ms)]
+            made = self._made[batch_size, inference_ms] = [(BATCH_SIZE, str(batch_size).encode()),
+                                                           (INFERENCE_MS, b"%.3f" % inference_ms)]
         return made
 
 
@@ -274,7 +276,8 @@ def _reply(request: Request, now: float, error: RequestError | None, partition: 
     outcome = request.error or error
     value = reply_value(request, outcome)  # first: the value's format may put its schema id in a header
     record = (request.reply_topic, value, request.key, reply_headers(request, now, outcome, shared), partition)
-    return Delivery(request, "reply", record, now, error=None if request.error is not None else error)
+    return Delivery(request, "reply", record, now, error=None if request.error is not None else error,
+                    counts_as="ok" if outcome is None else "error")
 
 
 def _dead_letter(request: Request, topic: str, reason: RequestError, now: float, original: bool = True,
@@ -283,7 +286,8 @@ def _dead_letter(request: Request, topic: str, reason: RequestError, now: float,
     the delivery's outcome for the request (``Delivery.error``), carried on from the record it replaces."""
     record = (topic, request.value if original else None, request.key, dead_letter_headers(request, reason, original),
               None)
-    return Delivery(request, "dead_letter", record, now, reason=reason, original=original, error=error)
+    return Delivery(request, "dead_letter", record, now, reason=reason, original=original, error=error,
+                    counts_as="dead_letter")
 
 
 _OK = (STATUS, b"ok")
@@ -306,7 +310,7 @@ def reply_headers(request: Request, now: float, outcome: RequestError | None = N
         headers.append((ERROR_CODE, str(outcome.code).encode()))
     if request.dispatched is not None:
         headers.append((QUEUE_MS, _ms(request.dispatched - request.received)))
-        headers += (shared or BatchHeaders()).of(request)
+        headers += (shared or BatchHeaders()).of(request.batch_size, request.inference_ms)
     if request.model is not None:
         headers += request.model.reply_headers
     if request.reply_format is not None:

@@ -87,6 +87,12 @@ class AtLeastOnce:
 
     def delivered(self, delivery: Delivery) -> None:
         self._landed.append(delivery)
+        request = delivery.request
+        if self._outstanding.get(request) == 1 and delivery.error is None and not self._errors:
+            # The common case in one step: the request's last record, and no error of the delivery's to settle.
+            del self._outstanding[request]
+            self._answered.append(request)
+            return
         self._settle(delivery)
 
     def refused(self, delivery: Delivery, _error: KafkaError, replacements: list[Delivery] | None,

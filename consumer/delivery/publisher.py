@@ -492,13 +492,11 @@ class Publisher:
         """The records that count as delivered this turn, by kind, added to the metrics once per turn."""
         if not landed:
             return
-        counted = Tally(delivery.kind if delivery.kind == "dead_letter" or delivery.outcome is None else "error"
-                        for delivery in landed)
-        for kind, count in counted.items():
+        for kind, count in Tally([delivery.counts_as for delivery in landed]).items():
             if kind == "dead_letter":
                 self._metrics.dead_letters.inc(count)
             else:
-                self._metrics.labelled(self._metrics.replies, "ok" if kind == "reply" else "error").inc(count)
+                self._metrics.labelled(self._metrics.replies, kind).inc(count)
 
     def _unanswerable(self, request: Request, why: str) -> None:
         """The broker stayed away past the retry bound: stop, and the request is served again after a restart."""

@@ -15,6 +15,7 @@ from kinference.consumer.delivery.exactly_once import ExactlyOnce
 from kinference.consumer.delivery.publisher import Publisher, PublishSettings
 from kinference.consumer.ledger.commit import OffsetTracker
 from kinference.consumer.ledger.commits import Transactions
+from kinference.consumer.ledger.share import AcknowledgeType, ShareLedger
 from kinference.consumer.ops.metrics import Metrics
 from kinference.errors import RequestError
 from kinference.protocol import ERROR_CODE, EVENT, ErrorCode, encode_result
@@ -258,3 +259,37 @@ def test_records_a_replaced_producer_never_reported_are_produced_again():
     silent, replacement = FakeProducer.instances
     assert len(silent.queued) == 3  # never reported
     assert sorted(m.value() for m in replacement.delivered) == sorted(encode_result({"x": i}) for i in range(5))
+
+
+def test_what_fails_in_delivery_is_the_delivery_s_outcome_and_the_request_is_left_as_it_came():
+    """Issue 37: delivery writes no ``Request``. A reply partition the topic lacks, a result too large to publish and
+    a request nothing can answer are the delivery's outcome: the replies, the metrics and a share group's
+    acknowledgements say so as before, and the requests keep their own (no) error and reply partition."""
+    FakeProducer.instances.clear()
+    refused = {"nowhere": KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART),
+               "dead": KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)}
+    too_large = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+    ledger, metrics = ShareLedger(), Metrics()
+    publisher = Publisher({}, AtLeastOnce(ledger, "dead"), PublishSettings("dead", queue_size=10), metrics,
+                          producer_factory=lambda c: FakeProducer(c, fate=refused.get, partitions={"replies": 2},
+                                                                  refuse=lambda v: too_large if len(v) > 500 else None))
+    publisher.start()
+    requests = [make_request({}, offset=offset) for offset in range(4)]
+    misdirected, large, unanswerable, _fine = requests
+    misdirected.reply_partition, unanswerable.reply_topic = 7, "nowhere"
+    for request in requests:
+        request.reply_value = encode_result({"y": "z" * 1000} if request is large else {})
+    for request, marker in zip(requests, ledger.track_fetch([(P0, r.offset) for r in requests]), strict=True):
+        request.ledger = marker
+    publisher.submit(requests)
+    assert wait_for(lambda: ledger.in_flight == 0)
+    publisher.stop(5)
+    outcomes = {offset: kind for _, _, offset, kind in ledger.take()}
+    assert outcomes == {0: AcknowledgeType.REJECT, 1: AcknowledgeType.REJECT, 2: AcknowledgeType.REJECT,
+                        3: AcknowledgeType.ACCEPT}
+    assert all(request.ok for request in requests) and misdirected.reply_partition == 7
+    sample = metrics.registry.get_sample_value
+    assert sample("kinference_replies_total", {"status": "error"}) == 2
+    assert sample("kinference_replies_total", {"status": "ok"}) == 1
+    assert sample("kinference_requests_total", {"model": "none", "topic": "requests", "outcome": "bad_request"}) == 1
+    assert sample("kinference_unanswerable_requests_total") == 1
