@@ -34,7 +34,8 @@ from kinference.protocol import (
     decode_partition,
 )
 
-if TYPE_CHECKING:  # the Schema Registry client is an optional extra: imported only when configured
+if TYPE_CHECKING:  # the Schema Registry client and OpenTelemetry are optional extras: imported only when configured
+    from kinference.consumer.ops.tracing import Tracing
     from kinference.consumer.path.router import ModelRoute, Router
     from kinference.consumer.wire.serdes import SchemaRegistryFormat
 
@@ -68,10 +69,13 @@ class RequestDecoder:
     max_key_bytes: int = 4096
     """A larger key fails its request, and is left out of it: every answer carries the request's key, and one too
     large for the topic could never be delivered."""
+    tracing: Tracing | None = None
+    """Starts each decoded request's span (``--tracing``); None: tracing is off."""
 
-    def decode(self, record: Any, received: float | None = None) -> Request:
-        """``record`` is a confluent_kafka.Message (or anything with the same accessors). Its coordinates are
-        read first and cannot fail; whatever fails after that becomes the request's error."""
+    def decode(self, record: Any, received: float | None = None, ledger: Any = None) -> Request:
+        """``record`` is a confluent_kafka.Message (or anything with the same accessors), ``ledger`` where its
+        tracker follows it (``Request.ledger``). Its coordinates are read first and cannot fail; whatever fails
+        after that becomes the request's error."""
         topic, partition, offset = record.topic(), record.partition(), record.offset()
         request = Request(
             topic=topic,
@@ -83,6 +87,7 @@ class RequestDecoder:
             received=time.monotonic() if received is None else received,
             correlation_id=f"{topic}/{partition}/{offset}",
             reply_topic=self.default_reply_topic,
+            ledger=ledger,
         )
         try:
             request.key, request.value = self._bounded_key(request, record.key()), record.value()
@@ -118,7 +123,18 @@ class RequestDecoder:
             # Whatever failed: every reply on the topic is in its format, written for the topic read from the headers.
             request.reply_format = self.schemas.reply(request.reply_topic)
         request.held_bytes = self._held_bytes(request)
+        if self.tracing is not None:
+            request.trace = self.tracing.received(request)
         return request
+
+    @staticmethod
+    def undecoded(record: Any, ledger: Any) -> Request:
+        """A tracked record handed back before it was decoded (its partition revoked): a request that holds nothing
+        but its coordinates and ``ledger``, for the ledger to let go of."""
+        topic, partition, offset = record.topic(), record.partition(), record.offset()
+        return Request(topic=topic, partition=partition, offset=offset, key=None, value=None, headers=[],
+                       received=time.monotonic(), correlation_id=f"{topic}/{partition}/{offset}", reply_topic="",
+                       ledger=ledger)
 
     def _held_bytes(self, request: Request) -> int:
         """About what the request's value holds once decoded, raw bytes included: computed from the bytes at C speed

@@ -75,13 +75,14 @@ class ShareSource:
     def __init__(
         self,
         config: ServiceConfig,
-        intake: Intake[ShareLedger],
+        intake: Intake,
+        ledger: ShareLedger,
         metrics: Metrics,
         consumer_factory: Callable[[dict[str, Any]], Any] | None = None,
     ) -> None:
         self._config = config
         self._intake = intake
-        self._ledger = intake.tracker
+        self._ledger = ledger
         self._metrics = metrics
         self.errors = ConsumerErrors(metrics, "share consumer")
         if consumer_factory is None:

@@ -128,7 +128,7 @@ def test_the_poll_thread_fetches_again_only_once_the_last_fetch_is_acknowledged(
     ledger, models = ShareLedger(), FakeModels()
     routed = models.routed
     intake = Intake(RequestDecoder("replies", 1000), ledger, models)
-    source = ShareSource(ServiceConfig(group_type="share", request_topics=["requests"]), intake, Metrics(),
+    source = ShareSource(ServiceConfig(group_type="share", request_topics=["requests"]), intake, ledger, Metrics(),
                          consumer_factory=FakeShareConsumer)
     consumer = source._consumer
     source.start()
