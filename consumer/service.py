@@ -39,7 +39,7 @@ from kinference.consumer.ops.endpoints import Endpoints, EndpointSettings
 from kinference.consumer.ops.lag import LagMonitor
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path.control import ControlReader
-from kinference.consumer.path.intake import Intake, TrackerT
+from kinference.consumer.path.intake import Intake, Tracker
 from kinference.consumer.path.models import Models
 from kinference.consumer.path.request import RequestDecoder
 from kinference.consumer.path.share import ShareSource, set_share_group_start
@@ -178,7 +178,7 @@ class Service:
         producer_config = config.producer_config()
         delivery, commits = self._delivery_mode(config, tracker, producer_config)
         publisher, intake = self._path(config, producer_config, delivery, tracker)
-        self.source = source = Source(config, intake, commits, self.metrics)
+        self.source = source = Source(config, intake, tracker, commits, self.metrics)
         self.lag = LagMonitor({"bootstrap.servers": config.bootstrap_servers, **config.admin_config()},
                               config.group_id, lambda: source.rebalance.partitions, self.metrics,
                               config.lag_interval_s)
@@ -191,7 +191,7 @@ class Service:
         self.tracker = ledger = ShareLedger()
         publisher, intake = self._path(config, config.producer_config(), AtLeastOnce(ledger, config.dead_letter_topic),
                                        ledger)
-        self.source = ShareSource(config, intake, self.metrics)  # no offsets: no lag to measure
+        self.source = ShareSource(config, intake, ledger, self.metrics)  # no offsets: no lag to measure
         return publisher, self.source
 
     def _delivery_mode(self, config: ServiceConfig, tracker: OffsetTracker,
@@ -207,7 +207,7 @@ class Service:
         return AtLeastOnce(tracker, config.dead_letter_topic), OffsetCommits(tracker, self.metrics, interval_s)
 
     def _path(self, config: ServiceConfig, producer_config: dict[str, str], delivery: DeliveryMode,
-              tracker: TrackerT) -> tuple[Publisher, Intake[TrackerT]]:
+              tracker: Tracker) -> tuple[Publisher, Intake]:
         """The publisher, answering through ``delivery``; the models, answering through it; and the intake, which
         tracks each record in ``tracker``, decodes it and routes it to its model."""
         self.publisher = publisher = Publisher(producer_config, delivery, PublishSettings.of(config), self.metrics,
@@ -216,8 +216,8 @@ class Service:
         decoder = RequestDecoder(config.reply_topic, config.max_request_bytes, self.handler.payload_format,
                                  config.max_header_bytes, config.reply_topic_allowed, schemas=self._schemas(config),
                                  router=router, max_key_bytes=config.max_key_bytes,
-                                 reply_topic_exists=self._existing_topics(config))
-        return publisher, Intake(decoder, tracker, self.models, self.tracing, publisher.budget)
+                                 reply_topic_exists=self._existing_topics(config), tracing=self.tracing)
+        return publisher, Intake(decoder, tracker, self.models, publisher.budget)
 
     @staticmethod
     def _existing_topics(config: ServiceConfig) -> Callable[[str], bool]:

@@ -42,9 +42,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from kinference.protocol import PayloadFormat
+
+if TYPE_CHECKING:  # a type only: this module imports nothing of the service's at run time
+    from kinference.handlers.generative import GenerativeHandler
 
 Role = Literal["process", "host", "device"]
 """Where a handler instance runs: ``process`` does everything (no device process); ``host`` is a worker beside a
@@ -103,6 +106,12 @@ class Handler(ABC):
     """Whether the model can run in a device process apart from the workers: ``preprocess`` returns what can
     cross a process boundary (tensors, arrays, plain data), ``merge`` combines several such inputs, ``inference``
     returns one row per item, and ``setup`` honours ``HandlerContext.role`` (no weights on the ``host`` side)."""
+
+    @property
+    def generative(self) -> GenerativeHandler | None:
+        """This handler as an engine that generates (``generative.GenerativeHandler``), which the service serves with
+        a generative runner instead of the batcher and stages; None (the default): a batch model."""
+        return None
 
     @classmethod
     def batching_defaults(cls, model: Path | None, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -116,6 +116,10 @@ class GenerativeHandler(Handler):
     max_sequences: int = 32
     """The most requests the engine generates at once; the service keeps the others waiting (set in ``setup``)."""
 
+    @property
+    def generative(self) -> GenerativeHandler:
+        return self
+
     @abstractmethod
     def submit(self, request_id: str, prompt: Prompt) -> None:
         """Start generating for ``prompt``; its events carry ``request_id``."""

@@ -12,6 +12,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 
 from kinference.consumer.ledger.request import Request
+from kinference.consumer.path.admission import Admission
 
 _offsets = itertools.count()
 
@@ -63,29 +64,27 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     return predicate()
 
 
+def admit(handler: Any, requests: list[Request]) -> None:
+    """What a model's admission writes on ``requests`` (``admission.Admission``: each one's item and tokens, or its
+    error), without a runner to queue them nor a publisher to answer them."""
+    Admission("model", handler, lambda refused: None).put(requests, 0, lambda admitted: None)
+
+
 @dataclass
 class FakeModels:
-    """The intake's downstream (``models.Models`` in the service): records what it is
-    handed; ``route`` runs ``on_route`` first (a test's stand-in for a routing bug)."""
+    """The intake's downstream (``models.Models`` in the service): records what it is handed, each fetch in one
+    ``take``."""
 
     admitted: list = field(default_factory=list)
+    """The requests taken that the decoder did not fail: what the models' runners admit."""
     routed: list = field(default_factory=list)
-    answered: list = field(default_factory=list)
-    on_route: Callable[[Any], None] = lambda request: None
-    wakes: int = 0
+    """Every request taken, in order."""
+    takes: int = 0
 
-    def admit(self, requests: list) -> None:
-        self.admitted.extend(requests)
-
-    def route(self, request: Any) -> None:
-        self.on_route(request)
-        self.routed.append(request)
-
-    def wake(self) -> None:
-        self.wakes += 1
-
-    def answer_now(self, request: Any) -> None:
-        self.answered.append(request)
+    def take(self, requests: list) -> None:
+        self.takes += 1
+        self.routed.extend(requests)
+        self.admitted.extend(request for request in requests if request.ok)
 
     def discard(self, partitions: list) -> list:
         return []

@@ -69,19 +69,22 @@ class Request:
     """About the memory its value holds, raw and decoded (the decoder's estimate); ``budget.ByteBudget`` charges it
     while in flight, keeping what it charged itself: it never writes the request."""
 
-    # --- Added by the intake and admission (poll thread).
+    # --- Added on the poll thread: by the decoder as it decodes (ledger, trace), then by the runner's admission.
     ledger: Any = field(default=None, repr=False)
-    """Where the tracker follows the record (``intake``): the partition's ``commit.PartitionLedger``, or a share
-    group's ``share.ShareRecord``. Set on every request right after it is decoded (a record is decoded only once
-    tracked), so Any rather than Optional: the delivery modes read it as their own ledger type."""
+    """Where the tracker follows the record: the partition's ``commit.PartitionLedger``, or a share group's
+    ``share.ShareRecord``. The intake tracks a fetch's records first and hands each one's ledger to the decoder,
+    which sets it as it decodes the record (a record is decoded only once tracked), so Any rather than Optional:
+    the delivery modes read it as their own ledger type."""
     trace: Trace | None = None
-    """The request's span (``consumer.tracing.RequestTrace``, set by ``Tracing.received``); None when tracing is
-    off."""
+    """The request's span (``ops.tracing.RequestTrace``), set by the decoder from ``Tracing.received``; None when
+    tracing is off."""
     item: Any | None = None
-    """What the handler's ``validate`` made of the payload (``admission``); ``preprocess`` gets these. None until
-    admitted, and for a request that failed before; dropped with ``payload`` by its runner."""
+    """What the handler's ``validate`` made of the payload, set by the runner's admission (``path.admission``, in
+    its ``put``); ``preprocess`` gets these. None until admitted, and for a request that failed before; dropped with
+    ``payload`` by its runner."""
     tokens: int | None = None
-    """The handler's ``cost`` of the item (its tokens, ``admission``); None when the handler does not count them."""
+    """The handler's ``cost`` of the item (its tokens), set with ``item``; None when the handler does not count
+    them."""
 
     # --- Added by the batcher, when it dispatches the request's batch (a stage thread).
     dispatched: float | None = None

@@ -76,7 +76,8 @@ _UNTRACED = RequestTrace(INVALID_SPAN)
 
 
 def _span(request: Request) -> Span:
-    """The request's span: ``Tracing.received`` gave every request one (a no-op span when it could not)."""
+    """The request's span: the decoder set one from ``Tracing.received`` on every request (a no-op span when it could
+    not be started)."""
     trace = request.trace
     return trace.span if isinstance(trace, RequestTrace) else INVALID_SPAN
 
@@ -200,16 +201,15 @@ class Tracing:
 
     # --- the request's way through the service
 
-    def received(self, requests: list[Request]) -> None:
-        """Start the span of each request of one poll (poll thread)."""
-        for request in requests:
-            try:
-                request.trace = RequestTrace(self._tracer.start_span(
-                    f"process {request.topic}", extract(request.headers), SpanKind.CONSUMER,
-                    attributes=request_attributes(request, self._group_id), start_time=_wall_ns(request.received)))
-            except Exception:  # the request is tracked already: a tracing fault must not keep it from its answer
-                log.exception("could not start the span of a request; it is served untraced")
-                request.trace = _UNTRACED
+    def received(self, request: Request) -> RequestTrace:
+        """The span of a request just decoded, started (poll thread): the decoder sets it on the request."""
+        try:
+            return RequestTrace(self._tracer.start_span(
+                f"process {request.topic}", extract(request.headers), SpanKind.CONSUMER,
+                attributes=request_attributes(request, self._group_id), start_time=_wall_ns(request.received)))
+        except Exception:  # the request is tracked already: a tracing fault must not keep it from its answer
+            log.exception("could not start the span of a request; it is served untraced")
+            return _UNTRACED
 
     def batch(self, requests: list[Request]) -> BatchTrace:
         """Start the span of a micro-batch just dispatched, and end its requests' queue wait (dispatcher thread)."""

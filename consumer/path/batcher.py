@@ -98,26 +98,35 @@ class Batcher:
         self._cond = threading.Condition()
         self._closed = False
 
-    def put(self, request: Request, *, wake: bool = True) -> None:
-        """Let ``request`` wait for its batch. ``wake=False`` leaves waking a waiting ``next_batch`` to the caller's
-        ``wake()``, once for many requests: the intake puts a whole poll, then wakes the stages once, instead of
-        waking them to look at every request of a backlog (each a lock and a GIL hand-off)."""
-        now = self._clock()
-        error = self._rejection(request, now)
-        if error is not None:
-            request.fail(error)
-            self._reject([request])
+    def put(self, requests: list[Request]) -> None:
+        """Let a fetch's ``requests`` wait for their batches: one call, one lock and one wake of a waiting
+        ``next_batch`` for all of them (a backlog's fetch put one at a time woke the dispatcher to look at each: a
+        lock and a GIL hand-off per request). Those past their deadline, or shed, are answered at once. Takes all of
+        them or, raising, none."""
+        now, now_ms = self._clock(), self._epoch_ms()
+        kept, refused = [], []
+        for request in requests:
+            error = self._rejection(request, now, now_ms)
+            if error is None:
+                kept.append(request)
+            else:
+                request.fail(error)
+                refused.append(request)
+        if refused:
+            self._reject(refused)
+        if not kept:
             return
+        entries = [_Waiting(request, seq, -1 if request.tokens is None else request.tokens)
+                   for request, seq in zip(kept, self._seq, strict=False)]
         with self._cond:
-            self.arrivals.add(now)
-            entry = _Waiting(request, next(self._seq), request.tokens if request.tokens is not None else -1)
-            self._fifo.append(entry)
-            self._entries[entry.seq] = entry
-            if self._grouped(entry):
-                bisect.insort(self._by_length, entry.key)
-            self._count(entry, 1)
-            if wake:
-                self._cond.notify()
+            self.arrivals.add(now, len(entries))
+            self._fifo.extend(entries)
+            for entry in entries:
+                self._entries[entry.seq] = entry
+                if self._grouped(entry):
+                    bisect.insort(self._by_length, entry.key)
+                self._count(entry, 1)
+            self._cond.notify_all()
 
     def observe(self, work: float, seconds: float) -> None:
         """A batch of ``work`` (padded tokens, or requests) took ``seconds`` of inference: learn from it."""
@@ -151,8 +160,7 @@ class Batcher:
             self.batching.max_batch_bytes is not None and self._waiting_bytes >= self.batching.max_batch_bytes)
 
     def wake(self) -> None:
-        """An inference thread is free, or requests were put without waking: a waiting ``next_batch`` looks
-        again."""
+        """An inference thread is free: a waiting ``next_batch`` looks again."""
         with self._cond:
             self._cond.notify_all()
 
@@ -208,9 +216,10 @@ class Batcher:
         """The next batch (at least one request) and the expired or shed requests met on the way:
         those do not count against the batch's limits."""
         rejected: Rejected = []
+        now_ms = self._epoch_ms()
         while self._fifo:
             oldest = self._oldest()
-            error = self._rejection(oldest.request, now)
+            error = self._rejection(oldest.request, now, now_ms)
             if error is None:
                 break
             self._remove([oldest])
@@ -219,12 +228,12 @@ class Batcher:
             return [], rejected
         oldest = self._oldest()
         if self._grouped(oldest):
-            taken = self._take_length_group(oldest, now, rejected)
+            taken = self._take_length_group(oldest, (now, now_ms), rejected)
         else:
-            taken = self._take_in_order(now, rejected)
+            taken = self._take_in_order((now, now_ms), rejected)
         return [entry.request for entry in taken], rejected
 
-    def _take_in_order(self, now: float, rejected: Rejected) -> list[_Waiting]:
+    def _take_in_order(self, now: tuple[float, float], rejected: Rejected) -> list[_Waiting]:
         taken: list[_Waiting] = []
         refused: list[_Waiting] = []
         size = 0
@@ -236,7 +245,7 @@ class Batcher:
             nbytes = _size(entry.request)
             if taken and self.batching.max_batch_bytes is not None and size + nbytes > self.batching.max_batch_bytes:
                 break
-            error = self._rejection(entry.request, now)
+            error = self._rejection(entry.request, *now)
             if error is None:
                 taken.append(entry)
                 size += nbytes
@@ -246,8 +255,9 @@ class Batcher:
         self._remove(taken + refused)
         return taken
 
-    def _take_length_group(self, oldest: _Waiting, now: float, rejected: Rejected) -> list[_Waiting]:
-        """The oldest request and the waiting ones nearest to it in length, within the limits."""
+    def _take_length_group(self, oldest: _Waiting, now: tuple[float, float], rejected: Rejected) -> list[_Waiting]:
+        """The oldest request and the waiting ones nearest to it in length, within the limits (``now``: monotonic
+        and epoch ms)."""
         assert self.batching.max_batch_tokens is not None
         by_length, anchor = self._by_length, oldest.tokens
         below = bisect.bisect_left(by_length, oldest.key) - 1
@@ -277,7 +287,7 @@ class Batcher:
                 below -= 1
             else:
                 above += 1
-            error = self._rejection(entry.request, now)
+            error = self._rejection(entry.request, *now)
             if error is not None:
                 refused.append(entry)
                 rejected.append((entry.request, error))
@@ -326,9 +336,8 @@ class Batcher:
             self._closed = True
             self._cond.notify_all()
 
-    def _rejection(self, request: Request, now: float) -> RequestError | None:
+    def _rejection(self, request: Request, now: float, now_ms: float) -> RequestError | None:
         """Why a request must not be computed: past its deadline, or waited too long."""
-        now_ms = self._epoch_ms()
         if request.expired(now_ms):
             return RequestError("deadline passed before the request was computed", ErrorCode.DEADLINE_EXCEEDED)
         if self.max_queue_ms is not None and (age := request.age_ms(now, now_ms)) > self.max_queue_ms:

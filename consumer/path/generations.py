@@ -1,11 +1,12 @@
 """A generative model's runner (``runner.Runner``): its requests, from admission to their final record, the Kafka
 side of continuous batching.
 
-A generative request skips the batcher and the stage threads. ``put`` (the poll thread) admits it to the engine,
-up to ``max_sequences`` requests at once and ``max_sequences_per_partition`` of one partition (so that one busy
-partition cannot take every place); the others wait here in arrival order, and flow control's ``max_in_flight``
-pauses the partitions when too many wait. One drain thread then takes the engine's events in batches
-(``GenerativeHandler.events``) and, for each request:
+A generative request skips the batcher and the stage threads. ``put`` (the poll thread) takes a fetch's requests
+through the model's admission (``admission.Admission``: its handler's ``validate`` makes each one's ``Prompt``), then
+admits them to the engine, up to ``max_sequences`` requests at once and ``max_sequences_per_partition`` of one
+partition (so that one busy partition cannot take every place); the others wait here in arrival order, and flow
+control's ``max_in_flight`` pauses the partitions when too many wait. One drain thread then takes the engine's events
+in batches (``GenerativeHandler.events``) and, for each request:
 
 - ``delta``: the text is buffered, and sent as a ``chat.completion.chunk`` record at once for the first, then every
   ``stream_every_tokens`` tokens or ``stream_every_ms`` milliseconds (only for ``"stream": true``, and only where
@@ -49,6 +50,7 @@ from kinference.consumer.config import ServiceConfig
 from kinference.consumer.delivery.answers import StreamChunk
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
+from kinference.consumer.path.admission import Admission
 from kinference.consumer.types import PartitionKey
 from kinference.consumer.wire.openai import FinalFormat, Ids, chunk_value, completion_value, stream_headers
 from kinference.errors import RequestError
@@ -122,9 +124,12 @@ class GenerativeRunner:
     this process or the device process), and the drain thread that turns the engine's events into records
     (``start``/``stop``)."""
 
-    def __init__(self, name: str, handler: GenerativePort, outlet: Outlet, settings: GenerationSettings,
+    def __init__(self, admission: Admission, handler: GenerativePort, outlet: Outlet, settings: GenerationSettings,
                  metrics: Metrics) -> None:
-        self.name = name
+        """``admission``: the model's, in front of its engine (``handler``: the engine itself, or its link to the
+        device process)."""
+        self.name = name = admission.name
+        self._admission = admission
         self._handler = handler
         self._outlet = outlet
         self._settings = settings
@@ -143,18 +148,16 @@ class GenerativeRunner:
 
     # --- the poll thread
 
-    def put(self, request: Request, *, wake: bool = True) -> None:
-        """Queue ``request`` for the engine. ``wake=False`` leaves submitting to the caller's ``wake()``, once for a
-        whole poll of prompts (as the batcher's ``put`` does): admission then looks at them all at once."""
-        with self._lock:
-            self._waiting.append(request)
-            self._track_deadline(request)
-            if wake:
-                self._admit()
+    def put(self, requests: list[Request]) -> None:
+        """Admit a fetch's requests (``admission.Admission``), queue them for the engine, and submit what it has room
+        for: one lock for all of them."""
+        self._admission.put(requests, self.held, self._queue)
 
-    def wake(self) -> None:
-        """Requests were put without waking: submit what admission lets in."""
+    def _queue(self, requests: list[Request]) -> None:
         with self._lock:
+            self._waiting.extend(requests)
+            for request in requests:
+                self._track_deadline(request)
             self._admit()
 
     def discard(self, partitions: list[PartitionKey]) -> list[Request]:

@@ -1,11 +1,12 @@
 """Intake: one fetch's records into requests, for either source (``source`` for consumer groups, ``share`` for
 share groups).
 
-In passes over the fetch, its records in order: track them all (``ledger.commit.OffsetTracker``, or
-``ledger.share.ShareLedger``; one lock for the fetch) before anything that can fail, decode each (a record that
-cannot be read becomes a request with an error, never an exception), then admit the fetch's readable requests
-together (the handler validates and prices them, one call for all) and route each on. Whatever a record does, the
-intake goes on with the next one.
+In passes over the fetch, its records in order: track them all (``Tracker``: the commit ledger,
+``ledger.commit.OffsetTracker``, or the share ledger, ``ledger.share.ShareLedger``; one lock for the fetch) before
+anything that can fail, decode each with its ledger (``request.RequestDecoder``: a record that cannot be read becomes
+a request with an error, never an exception), then hand the fetch's requests to the models in one call
+(``models.Models.take``: each model's runner admits its own together, the handler validating and pricing them in one
+call for all). Whatever a record does, the intake goes on with the next one.
 
 Decoding is where a request takes its memory, so a record is decoded only while the byte budget has room for one
 more like those seen (``ledger.budget``): the rest of a fetch waits, tracked (so no commit passes it) and raw, and is
@@ -18,42 +19,39 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kinference.consumer.ledger.budget import ByteBudget
 from kinference.consumer.ledger.request import Request
-from kinference.consumer.ops.logs import about
 from kinference.consumer.path.request import RequestDecoder
 from kinference.consumer.types import PartitionKey
-from kinference.errors import RequestError
-from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
-    from kinference.consumer.ledger.commit import OffsetTracker
-    from kinference.consumer.ledger.share import ShareLedger
-    from kinference.consumer.ops.tracing import Tracing
     from kinference.consumer.path.models import Models
 
 log = logging.getLogger(__name__)
 
-TrackerT = TypeVar("TrackerT", "OffsetTracker", "ShareLedger")
-"""The ledger each record is tracked in: a consumer group's commit ledger or a share group's."""
+class Tracker(Protocol):
+    """The ledger each record is tracked in, as the intake sees it: a consumer group's commit ledger
+    (``ledger.commit.OffsetTracker``) or a share group's (``ledger.share.ShareLedger``)."""
+
+    def track_fetch(self, records: Sequence[tuple[PartitionKey, int]]) -> Sequence[Any]:
+        """Each record's ledger, in order; None for one not to be served (its partition is not this member's)."""
 
 
-class Intake(Generic[TrackerT]):
-    """What the source does with each fetch. The source reaches the rest of the service only through it: the
-    ``tracker`` it commits from, and ``discard`` on revoke."""
+class Intake:
+    """What the source does with each fetch. The source reaches the rest of the service only through it, and
+    ``discard`` on revoke."""
 
-    def __init__(self, decoder: RequestDecoder, tracker: TrackerT, models: Models,
-                 tracing: Tracing | None = None, budget: ByteBudget | None = None) -> None:
-        """``tracing``, when on, starts each request's span. ``budget`` is charged what each request holds decoded
-        (``ledger.budget.ByteBudget``; by default one without a bound)."""
-        self.tracker: TrackerT = tracker
+    def __init__(self, decoder: RequestDecoder, tracker: Tracker, models: Models,
+                 budget: ByteBudget | None = None) -> None:
+        """``budget`` is charged what each request holds decoded (``ledger.budget.ByteBudget``; by default one
+        without a bound)."""
         self.budget = budget or ByteBudget.unbounded()
+        self._tracker = tracker
         self._decoder = decoder
         self._models = models
-        self._tracing = tracing
         self._waiting: deque[tuple[Any, Any]] = deque()
         """Tracked records not decoded yet, in the order consumed, each with its ledger: the budget had no room."""
 
@@ -73,15 +71,10 @@ class Intake(Generic[TrackerT]):
         kept: deque[tuple[Any, Any]] = deque()
         taken = []
         for record, ledger in self._waiting:
-            topic, partition, offset = record.topic(), record.partition(), record.offset()
-            if (topic, partition) not in partitions:
+            if (record.topic(), record.partition()) in partitions:
+                taken.append(self._decoder.undecoded(record, ledger))
+            else:
                 kept.append((record, ledger))
-                continue
-            request = Request(topic=topic, partition=partition, offset=offset, key=None, value=None, headers=[],
-                              received=time.monotonic(), correlation_id=f"{topic}/{partition}/{offset}",
-                              reply_topic="")
-            request.ledger = ledger
-            taken.append(request)
         self._waiting = kept
         return taken
 
@@ -96,8 +89,8 @@ class Intake(Generic[TrackerT]):
             else:
                 on_error(error)
         # Every record tracked first, one lock for the fetch: reading its coordinates cannot fail.
-        ledgers = self.tracker.track_fetch([((record.topic(), record.partition()), record.offset())
-                                            for record in consumed])
+        ledgers = self._tracker.track_fetch([((record.topic(), record.partition()), record.offset())
+                                             for record in consumed])
         for record, ledger in zip(consumed, ledgers, strict=True):
             if ledger is None:
                 log.debug("dropped %s[%d] offset %d: partition not owned", record.topic(), record.partition(),
@@ -106,12 +99,8 @@ class Intake(Generic[TrackerT]):
                 self._waiting.append((record, ledger))
         requests = self._decoded(received)
         self.budget.charge(requests)
-        if self._tracing is not None:
-            self._tracing.received(requests)
-        self._models.admit([request for request in requests if request.ok])
-        for request in requests:
-            self._take(request)
-        self._models.wake()
+        if requests:
+            self._models.take(requests)
 
     def _decoded(self, received: float) -> list[Request]:
         """The waiting records decoded, in order, while the budget has room for one more like the last decoded (at
@@ -123,23 +112,8 @@ class Intake(Generic[TrackerT]):
         requests: list[Request] = []
         while waiting and (charged + next_bytes <= room or (not requests and budget.held == 0)):
             record, ledger = waiting.popleft()
-            request = decode(record, received)  # never raises: a bad record is a request with an error
-            request.ledger = ledger
+            request = decode(record, received, ledger)  # never raises: a bad record is a request with an error
             requests.append(request)
             next_bytes = request.held_bytes
             charged += next_bytes
         return requests
-
-    def _take(self, request: Request) -> None:
-        """Route one tracked request. Nothing it does may leave the loop: the requests after it in this fetch must
-        still be routed."""
-        try:
-            self._models.route(request)
-        except Exception as exc:  # a bug: the record is tracked, so it must still be answered
-            log.exception("routing a request failed; it gets an internal_error reply", extra=about(request))
-            request.fail(RequestError(f"kinference could not route the request: {exc!r}", ErrorCode.INTERNAL_ERROR))
-            try:
-                self._models.answer_now(request)
-            except Exception:
-                log.critical("the request cannot be answered; it stays in flight and is never acknowledged past",
-                             exc_info=True, extra=about(request))

@@ -1,12 +1,14 @@
-"""The served models: each request the intake takes in is admitted by its model's handler, then routed to that
-model's runner (``runner.Runner``): a batch model's batcher and stage threads (``runner.BatchRunner``), or a
-generative model's engine (``generations.GenerativeRunner``), chosen once, here, when the model is built.
+"""The served models: the requests of each fetch the intake takes in go to their model's runner
+(``runner.Runner``): a batch model's batcher and stage threads (``runner.BatchRunner``), or a generative model's
+engine (``generations.GenerativeRunner``), chosen once, here, by the handler (``Handler.generative``) when the model
+is built.
 
 Each served model (one by default, several with ``models``) has its own handler (one copy of the weights) and
 runner; the source, the publisher, the commit ledger and the device are the process's. The decoder has already named
-each record's model (``router``). ``route`` hands a request to that model's runner, unless that model already holds
-its share of ``max_in_flight``: then the request is answered ``overloaded`` at once. The partitions are shared, and
-pausing them for one slow or stuck model would hold up the others.
+each record's model (``router``). ``take`` hands each model's requests of a fetch to its runner in one call, whose
+admission validates them and refuses, ``overloaded``, those past the model's share of ``max_in_flight``
+(``admission.Admission``): the partitions are shared, and pausing them for one slow or stuck model would hold up the
+others.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +25,7 @@ from kinference.consumer.accelerator.worker_link import DeviceInference
 from kinference.consumer.config import Batching, ServiceConfig, hang_limit, served_name
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path.admission import admit
+from kinference.consumer.path.admission import Admission, Answer
 from kinference.consumer.path.batcher import Batcher
 from kinference.consumer.path.generations import GenerationSettings, GenerativeRunner
 from kinference.consumer.path.router import ModelRoute, Router
@@ -32,11 +33,10 @@ from kinference.consumer.path.runner import BatchRunner, Runner
 from kinference.consumer.path.stages import Inference, InProcessInference, ModelRun, Pipeline
 from kinference.consumer.types import PartitionKey, Route
 from kinference.consumer.wire.oip import ServedModel as OipModel
-from kinference.errors import ConfigError, RequestError
+from kinference.errors import ConfigError
 from kinference.handlers import Handler, HandlerContext, load_handler
 from kinference.handlers.base import Role
 from kinference.handlers.generative import GenerativeHandler, GenerativePort
-from kinference.protocol import ErrorCode
 
 if TYPE_CHECKING:
     from kinference.consumer.accelerator.worker_link import DeviceLink
@@ -44,10 +44,6 @@ if TYPE_CHECKING:
     from kinference.consumer.ops.tracing import Tracing
 
 log = logging.getLogger(__name__)
-
-Answer = Callable[[list[Request]], None]
-"""Hands finished requests on to be answered (``Publisher.submit``)."""
-
 
 @dataclass(eq=False)
 class LoadedModel:
@@ -60,23 +56,10 @@ class LoadedModel:
     handler: Handler
     route: ModelRoute
     runner: Runner
-    max_in_flight: int | None
-    """With several models, the most requests this model may hold (``Runner.held``);
-    None with one model, where flow control's pause is the only bound."""
 
     @property
     def name(self) -> str:
         return self.route.name
-
-    def saturation(self) -> RequestError | None:
-        """Why a new request for this model is refused at once: it holds its share of ``max_in_flight``."""
-        if self.max_in_flight is None:
-            return None
-        held = self.runner.held
-        if held < self.max_in_flight:
-            return None
-        return RequestError(f"model {self.name!r} is saturated: {held} of its requests are in flight, its share of "
-                            "max_in_flight (--max-in-flight / number of models)", ErrorCode.OVERLOADED)
 
 
 class Models:
@@ -122,21 +105,23 @@ class Models:
         """Each model's route and runner (not started), the runner chosen by its handler, once; returns the router
         over their routes. The ``publisher`` takes the requests each model finishes, and those refused at once
         (``submit``), and the chunks of generative models (``stream``)."""
-        self._answer = answer = publisher.submit
+        self._answer = publisher.submit
+        # With several models, the most requests each may hold; with one, flow control's pause is the only bound.
         share = max(1, self._config.max_in_flight // len(self.handlers)) if len(self.handlers) > 1 else None
         for settings, handler in self.handlers:
-            if isinstance(handler, GenerativeHandler):
-                model = self._build_generative(settings, handler, publisher, metrics)
+            admission = Admission(served_name(settings, handler), handler, publisher.submit, share)
+            generative = handler.generative
+            if generative is None:
+                model = self._build(settings, admission, publisher.submit, metrics, tracing)
             else:
-                model = self._build(settings, handler, answer, metrics, tracing)
-            model.max_in_flight = share
+                model = self._build_generative(settings, generative, admission, publisher, metrics)
             self.loaded.append(model)
             self._by_name[model.name] = model
         return Router([model.route for model in self.loaded], self._config.model_topics())
 
-    def _build(self, settings: ServiceConfig, handler: Handler, answer: Answer, metrics: Metrics,
+    def _build(self, settings: ServiceConfig, admission: Admission, answer: Answer, metrics: Metrics,
                tracing: Tracing | None) -> LoadedModel:
-        name = served_name(settings, handler)
+        name, handler = admission.name, admission.handler
         served = (None if settings.request_format == "kinference" or settings.value_format != "json"
                   else OipModel(name, settings.model_version, settings.request_format))
         batcher = Batcher(settings.batching, answer, max_queue_ms=settings.max_queue_ms)
@@ -152,21 +137,21 @@ class Models:
             inference = DeviceInference(self._link, name)
         pipeline = Pipeline(ModelRun(name, handler, batching, inference), batcher, answer, metrics, tracing)
         route = ModelRoute(name, settings.model_version, handler.payload_format, served)
-        return LoadedModel(settings, batching, handler, route, BatchRunner(batcher, pipeline), max_in_flight=None)
+        return LoadedModel(settings, batching, handler, route, BatchRunner(admission, batcher, pipeline))
 
-    def _build_generative(self, settings: ServiceConfig, handler: GenerativeHandler, publisher: Publisher,
-                          metrics: Metrics) -> LoadedModel:
+    def _build_generative(self, settings: ServiceConfig, handler: GenerativeHandler, admission: Admission,
+                          publisher: Publisher, metrics: Metrics) -> LoadedModel:
         """A generative model skips the batcher and the stages: its engine batches per decoding step, in this
         process or, with a device process, there (``worker_engine_link``): once for every worker."""
-        name = served_name(settings, handler)
+        name = admission.name
         port: GenerativePort = handler
         if self._link is not None and handler.device_process:
             port = EngineLink(self._link.path, name, settings.device_wait_s)
             self._engine_links.append(port)
-        runner = GenerativeRunner(name, port, publisher,
+        runner = GenerativeRunner(admission, port, publisher,
                                   GenerationSettings.of(settings, handler.max_sequences, publisher.streams), metrics)
         route = ModelRoute(name, settings.model_version, handler.payload_format, None)
-        return LoadedModel(settings, settings.batching, handler, route, runner, max_in_flight=None)
+        return LoadedModel(settings, settings.batching, handler, route, runner)
 
     def start(self, metrics: Metrics) -> None:
         """Start every model's runner; returns once their inference threads warmed the models up (and the device
@@ -184,38 +169,29 @@ class Models:
 
     # --- the intake's side (the poll thread)
 
-    def admit(self, requests: list[Request]) -> None:
-        """Admission of one poll's readable requests, by the handler of each one's model."""
+    def take(self, requests: list[Request]) -> None:
+        """One fetch's decoded requests: those that failed in the decoder straight to their answer, the others to
+        their model's runner, one call per model (which admits them)."""
+        failed = [request for request in requests if not request.ok]
+        if failed:
+            self._answered(failed)
+        if len(failed) == len(requests):
+            return
         if len(self.loaded) == 1:
-            admit(self.loaded[0].handler, requests)
+            self.loaded[0].runner.put([request for request in requests if request.ok] if failed else requests)
             return
         by_model: dict[str, list[Request]] = {}
         for request in requests:
-            by_model.setdefault(_routed(request).name, []).append(request)
+            if request.ok:
+                by_model.setdefault(_routed(request).name, []).append(request)
         for name, some in by_model.items():
-            admit(self._by_name[name].handler, some)
+            self._by_name[name].runner.put(some)
 
-    def route(self, request: Request) -> None:
-        """To its model's runner, without waking it (``wake``); or, failed or refused, straight to its answer."""
-        if request.ok:
-            model = self._by_name[_routed(request).name]
-            refusal = model.saturation()
-            if refusal is None:
-                model.runner.put(request, wake=False)  # ``wake`` after the poll's last request
-                return
-            request.fail(refusal)
-        self.answer_now(request)
-
-    def wake(self) -> None:
-        """The poll's requests are all routed: each model's runner looks at what waits, once for all of them."""
-        for model in self.loaded:
-            model.runner.wake()
-
-    def answer_now(self, request: Request) -> None:
-        """A request that will not be computed (bad record, expired deadline, refused) goes straight to its reply."""
+    def _answered(self, requests: list[Request]) -> None:
+        """Requests that will not be computed (bad record, expired deadline, refused) go straight to their reply."""
         if self._answer is None:
             raise RuntimeError("a request came before Models.build: nothing to answer it through")
-        self._answer([request])
+        self._answer(requests)
 
     def cancel(self, correlation_id: str) -> None:
         """A cancel from the control topic (``control``), to every model: the one holding it stops it."""

@@ -41,14 +41,16 @@ class Rebalance:
     def __init__(
         self,
         config: ServiceConfig,
-        intake: Intake[OffsetTracker],
+        intake: Intake,
+        tracker: OffsetTracker,
         flow: FlowControl,
         commits: Commits,
         metrics: Metrics,
     ) -> None:
-        """``intake``: its commit ledger, and ``discard``, which takes the not-yet-started requests of partitions out
-        of the batchers; ``commits.commit(consumer, partitions)`` commits what is answered of them, and waits."""
-        self._tracker = intake.tracker
+        """``intake``: its ``discard``, which takes the not-yet-started requests of partitions out of the batchers;
+        ``tracker``: the commit ledger the intake tracks them in; ``commits.commit(consumer, partitions)`` commits
+        what is answered of them, and waits."""
+        self._tracker = tracker
         self._flow = flow
         self._intake = intake
         self._commits = commits

@@ -24,6 +24,8 @@ from kinference.protocol import (
     CORRELATION_ID,
     DEADLINE_MS,
     MAX_JSON_DEPTH,
+    MODEL,
+    MODEL_VERSION,
     REPLY_TO,
     SPRING_CORRELATION_ID,
     SPRING_REPLY_PARTITION,
@@ -34,11 +36,17 @@ from kinference.protocol import (
     decode_partition,
 )
 
-if TYPE_CHECKING:  # the Schema Registry client is an optional extra: imported only when configured
+if TYPE_CHECKING:  # the Schema Registry client and OpenTelemetry are optional extras: imported only when configured
+    from kinference.consumer.ops.tracing import Tracing
     from kinference.consumer.path.router import ModelRoute, Router
     from kinference.consumer.wire.serdes import SchemaRegistryFormat
 
 _LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_ROUTING = frozenset({CORRELATION_ID, SPRING_CORRELATION_ID, REPLY_TO, SPRING_REPLY_TOPIC, SPRING_REPLY_PARTITION,
+                      DEADLINE_MS})
+"""The headers that route a request's answer (``_read_routing``)."""
+_NAMING = frozenset({MODEL, MODEL_VERSION, oip.MODEL_HEADER, oip.VERSION_HEADER})
+"""The headers that name a request's model (``oip.named_model``)."""
 
 
 def _any_topic(_topic: str) -> bool:
@@ -68,10 +76,13 @@ class RequestDecoder:
     max_key_bytes: int = 4096
     """A larger key fails its request, and is left out of it: every answer carries the request's key, and one too
     large for the topic could never be delivered."""
+    tracing: Tracing | None = None
+    """Starts each decoded request's span (``--tracing``); None: tracing is off."""
 
-    def decode(self, record: Any, received: float | None = None) -> Request:
-        """``record`` is a confluent_kafka.Message (or anything with the same accessors). Its coordinates are
-        read first and cannot fail; whatever fails after that becomes the request's error."""
+    def decode(self, record: Any, received: float | None = None, ledger: Any = None) -> Request:
+        """``record`` is a confluent_kafka.Message (or anything with the same accessors), ``ledger`` where its
+        tracker follows it (``Request.ledger``). Its coordinates are read first and cannot fail; whatever fails
+        after that becomes the request's error."""
         topic, partition, offset = record.topic(), record.partition(), record.offset()
         request = Request(
             topic=topic,
@@ -83,20 +94,22 @@ class RequestDecoder:
             received=time.monotonic() if received is None else received,
             correlation_id=f"{topic}/{partition}/{offset}",
             reply_topic=self.default_reply_topic,
+            ledger=ledger,
         )
         try:
             request.key, request.value = self._bounded_key(request, record.key()), record.value()
             request.timestamp_ms = _timestamp(record)
             request.headers = _headers(record, request)
-            self._read_headers(request)
+            named = self._read_headers(request)
             if request.key_omitted is not None:
                 raise RequestError(f"request key is {request.key_omitted} bytes; max_key_bytes is "
                                    f"{self.max_key_bytes} (the answers go without it)", ErrorCode.PAYLOAD_TOO_LARGE)
             payload_format, model = self.payload_format, self.model
             if self.router is not None:
-                request.model = route = self._route(request, self.router)
+                request.model = route = self._route(request, self.router, named)
                 payload_format, model = route.payload_format, route.served
-            if model is not None and model.speaks_oip(request.headers):
+            # Only a record with a model header can ask for OIP where the model takes either: most have none.
+            if model is not None and (named or model.request_format == "oip") and model.speaks_oip(request.headers):
                 self._check_size(request.value)
                 # Set first, so that even a request that fails to decode is answered in OIP's shape.
                 request.reply_format = oip.OipCall(oip.request_id(request.key, {}, request.correlation_id),
@@ -118,7 +131,18 @@ class RequestDecoder:
             # Whatever failed: every reply on the topic is in its format, written for the topic read from the headers.
             request.reply_format = self.schemas.reply(request.reply_topic)
         request.held_bytes = self._held_bytes(request)
+        if self.tracing is not None:
+            request.trace = self.tracing.received(request)
         return request
+
+    @staticmethod
+    def undecoded(record: Any, ledger: Any) -> Request:
+        """A tracked record handed back before it was decoded (its partition revoked): a request that holds nothing
+        but its coordinates and ``ledger``, for the ledger to let go of."""
+        topic, partition, offset = record.topic(), record.partition(), record.offset()
+        return Request(topic=topic, partition=partition, offset=offset, key=None, value=None, headers=[],
+                       received=time.monotonic(), correlation_id=f"{topic}/{partition}/{offset}", reply_topic="",
+                       ledger=ledger)
 
     def _held_bytes(self, request: Request) -> int:
         """About what the request's value holds once decoded, raw bytes included: computed from the bytes at C speed
@@ -130,7 +154,10 @@ class RequestDecoder:
             return self.schemas.held_bytes(value)  # bounded by the record's schema
         return jsonscan.decoded_bytes(value)
 
-    def _route(self, request: Request, router: Router) -> ModelRoute:
+    def _route(self, request: Request, router: Router, named: bool) -> ModelRoute:
+        """``named``: the record has a header naming a model; without one, its topic alone routes it."""
+        if not named:
+            return router.for_topic(request.topic)
         try:
             return router.route(request.topic, request.headers)
         except RequestError:
@@ -141,9 +168,10 @@ class RequestDecoder:
                                                    None)
             raise
 
-    def _read_headers(self, request: Request) -> None:
-        """The routing headers, then the headers' size (summed in the same pass over them)."""
-        problems, size = _read_routing(request)
+    def _read_headers(self, request: Request) -> bool:
+        """The routing headers, then the headers' size (summed in the same pass over them); whether a header names a
+        model (read in the same pass too)."""
+        problems, size, named = _read_routing(request)
         if request.spring_correlation_id is not None and not _has_header(request.headers, CORRELATION_ID):
             request.correlation_id = request.spring_correlation_id.hex()
         if request.reply_topic != self.default_reply_topic and not self.reply_topic_allowed(request.reply_topic):
@@ -170,6 +198,7 @@ class RequestDecoder:
         if size > self.max_header_bytes:
             raise RequestError(f"request headers are {size} bytes; max_header_bytes is {self.max_header_bytes}",
                                ErrorCode.PAYLOAD_TOO_LARGE)
+        return named
 
     def _bounded_key(self, request: Request, key: bytes | None) -> bytes | None:
         """The key, or None when it is too large (its size kept in ``key_omitted``). Left out first of all, so
@@ -207,14 +236,19 @@ class RequestDecoder:
         return document
 
 
-def _read_routing(request: Request) -> tuple[list[str], int]:
+def _read_routing(request: Request) -> tuple[list[str], int, bool]:
     """Set the request's correlation, reply route and deadline from its headers; what could not be read, in words,
-    and the headers' size (names and values). Every header is read whatever the others hold, so that an error reply
-    still finds its caller."""
+    the headers' size (names and values), and whether one names a model (``router``, ``oip``), all in one pass.
+    Every header is read whatever the others hold, so that an error reply still finds its caller."""
     problems = []
     size = 0
+    named = False
     for name, raw in request.headers:
         size += len(name)
+        if name not in _ROUTING:
+            named = named or name in _NAMING  # a name with no value still counts (``oip.ServedModel.speaks_oip``)
+            size += len(raw) if raw is not None else 0
+            continue
         if raw is None:
             continue
         size += len(raw)
@@ -231,7 +265,7 @@ def _read_routing(request: Request) -> tuple[list[str], int]:
                 request.deadline_ms = _deadline(raw)
         except RequestError as exc:
             problems.append(str(exc))
-    return problems, size
+    return problems, size, named
 
 
 def _timestamp(record: Any) -> float | None:

@@ -54,6 +54,10 @@ class Router:
         self.default = next(iter(self._routes.values()))
         self._by_topic = {topic: self._routes[name] for topic, name in (topics or {}).items()}
 
+    def for_topic(self, topic: str) -> ModelRoute:
+        """The model of a record whose headers name none: its topic's, else the default."""
+        return self._by_topic.get(topic, self.default)
+
     def route(self, topic: str, headers: list[tuple[str, bytes | None]]) -> ModelRoute:
         """The record's model; ``RequestError`` (``model_not_found``, or ``bad_request`` for a header that is not
         UTF-8) when its headers name one this process does not serve."""

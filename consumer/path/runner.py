@@ -1,13 +1,16 @@
-"""A model's runner: what takes its admitted requests and computes them, one interface (``Runner``) for the two ways
-of serving, chosen once where the model is built (``models.Models.build``):
+"""A model's runner: what takes its requests from the intake and computes them, one interface (``Runner``) for the two
+ways of serving, chosen once where the model is built (``models.Models.build``):
 
 - ``BatchRunner`` (here): the batcher, the waiting room (``batcher``), and the stage threads that pull batches from it
   (``stages``); the requests leave through the publisher, finished;
 - ``generations.GenerativeRunner``: admission to the model's engine, the engine (in this process or the device
   process), and the drain thread that turns its events into stream chunks and finals.
 
-Entered from the poll thread (``put``, ``wake``, ``discard``, and ``cancel`` from the control topic's reader) and from
-the thread that starts and stops the service; the runner's own threads do the rest.
+Both take a fetch's requests for their model in one ``put``, through the model's ``admission.Admission``: the handler
+validates and prices them, and those past the model's share of ``max_in_flight`` are refused, before any waits.
+
+Entered from the poll thread (``put``, ``discard``, and ``cancel`` from the control topic's reader) and from the
+thread that starts and stops the service; the runner's own threads do the rest.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from kinference.consumer.ledger.request import Request
+from kinference.consumer.path.admission import Admission
 from kinference.consumer.path.batcher import Batcher
 from kinference.consumer.path.stages import Pipeline
 from kinference.consumer.types import PartitionKey
@@ -23,12 +27,9 @@ from kinference.consumer.types import PartitionKey
 class Runner(Protocol):
     """One model's requests, from admission to their answer (handed to the publisher)."""
 
-    def put(self, request: Request, *, wake: bool = True) -> None:
-        """Take an admitted request (the poll thread); ``wake=False`` leaves looking at it to ``wake``, once for a
-        whole poll."""
-
-    def wake(self) -> None:
-        """Requests were put without waking: look at them now."""
+    def put(self, requests: list[Request]) -> None:
+        """Take a fetch's requests for this model (the poll thread), in one call: admit them (``Admission``) and
+        queue those admitted; the others are answered at once. Never raises."""
 
     def discard(self, partitions: list[PartitionKey]) -> list[Request]:
         """The requests of revoked partitions that are not computed yet, taken out (none answered here)."""
@@ -65,15 +66,13 @@ class Runner(Protocol):
 class BatchRunner:
     """A batch model's runner: its batcher and its stage threads, which pull their batches from it."""
 
-    def __init__(self, batcher: Batcher, pipeline: Pipeline) -> None:
+    def __init__(self, admission: Admission, batcher: Batcher, pipeline: Pipeline) -> None:
+        self.admission = admission
         self.batcher = batcher
         self.pipeline = pipeline
 
-    def put(self, request: Request, *, wake: bool = True) -> None:
-        self.batcher.put(request, wake=wake)
-
-    def wake(self) -> None:
-        self.batcher.wake()
+    def put(self, requests: list[Request]) -> None:
+        self.admission.put(requests, self.held, self.batcher.put)
 
     def discard(self, partitions: list[PartitionKey]) -> list[Request]:
         """The batcher's waiting requests: what the stages hold already runs to its end."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -75,13 +76,14 @@ class ShareSource:
     def __init__(
         self,
         config: ServiceConfig,
-        intake: Intake[ShareLedger],
+        intake: Intake,
+        ledger: ShareLedger,
         metrics: Metrics,
         consumer_factory: Callable[[dict[str, Any]], Any] | None = None,
     ) -> None:
         self._config = config
         self._intake = intake
-        self._ledger = intake.tracker
+        self._ledger = ledger
         self._metrics = metrics
         self.errors = ConsumerErrors(metrics, "share consumer")
         if consumer_factory is None:
@@ -139,6 +141,7 @@ class ShareSource:
         self._intake.take(records, self.errors.on_record)
 
     def _acknowledge(self, outcomes: list[Any]) -> None:
+        acknowledged: Counter[str] = Counter()
         for topic, partition, offset, kind in outcomes:
             try:
                 self._consumer.acknowledge_offset(topic, partition, offset, int(kind))
@@ -146,7 +149,9 @@ class ShareSource:
                 log.warning("acknowledging %s[%d] offset %d as %s failed: %s", topic, partition, offset, kind.name,
                             exc)
                 continue
-            self._metrics.share_acknowledgements.labels(kind.name.lower()).inc()
+            acknowledged[kind.name.lower()] += 1
+        for kind_name, count in acknowledged.items():  # observed per turn, not per record
+            self._metrics.share_acknowledgements.labels(kind_name).inc(count)
 
     def _close_consumer(self) -> None:
         if self.errors.fatal is None:

@@ -3,12 +3,12 @@
 It alone calls the consumer (a librdkafka consumer is not to be shared across threads). Each turn of its loop:
 
 1. fetch what is ready (``_fetch``);
-2. take in the records (``intake``): track each with the commit tracker before anything that can fail, decode
-   it (a record that cannot be read becomes a dead letter, never an exception), admit the poll's requests
-   together (``admission``: the handler validates and prices them, one call for all), and route each on;
-   whatever a record does, the loop goes on with the next one; then tell the ledger how far the consumer has
-   gone (offsets it passed without handing a record over are gaps: transaction markers, aborted records,
-   compaction; ``commit``);
+2. take in the records (``intake``), in passes over the fetch: track them with the commit tracker before anything
+   that can fail, decode them (a record that cannot be read becomes a dead letter, never an exception), and hand
+   the fetch's requests to their models' runners, one call per model, which admit them (``admission``: the handler
+   validates and prices them, one call for all); whatever a record does, the loop goes on with the next one; then
+   tell the ledger how far the consumer has gone (offsets it passed without handing a record over are gaps:
+   transaction markers, aborted records, compaction; ``commit``);
 3. the delivery mode's turn on this thread (``ledger.commits``; at-least-once, ``OffsetCommits``: commit what is
    answered; exactly-once, where offsets go into transactions, ``TransactionCommits``: read the group's generation
    for them);
@@ -167,22 +167,23 @@ class Source:
     def __init__(
         self,
         config: ServiceConfig,
-        intake: Intake[OffsetTracker],
+        intake: Intake,
+        tracker: OffsetTracker,
         commits: Commits,
         metrics: Metrics,
         consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
     ) -> None:
-        """``intake`` takes each poll's records in, tracked by its commit ledger (``intake.tracker``); ``commits``,
-        the delivery mode's poll-thread side, commits what is answered of them, and its ``in_flight`` is what flow
+        """``intake`` takes each poll's records in, tracked by the commit ledger ``tracker``; ``commits``, the
+        delivery mode's poll-thread side, commits what is answered of them, and its ``in_flight`` is what flow
         control bounds."""
         self._config = config
         self._intake = intake
-        self._tracker = intake.tracker
+        self._tracker = tracker
         self._commits = commits
         self.errors = ConsumerErrors(metrics, "consumer")
         self._budget = intake.budget
         self._flow = FlowControl(config.max_in_flight, config.resume_threshold, metrics, intake.budget)
-        self.rebalance = Rebalance(config, intake, self._flow, commits, metrics)
+        self.rebalance = Rebalance(config, intake, tracker, self._flow, commits, metrics)
         callbacks = {"error_cb": self.errors.on_client, "stats_cb": self._on_stats, **commits.consumer_callbacks()}
         self._consumer = consumer_factory({**config.consumer_config(), **callbacks})
         self._loop = PollLoop("kinference-source", self.errors, self._poll_once, self._close_consumer)

@@ -329,7 +329,8 @@ def test_the_service_wires_a_request_s_path_in_the_flow_diagram_s_order(delivery
         assert modules == path, f"Service builds {modules}; the diagram says {path}"
         # The ledger the intake tracks each request in is the one the delivery mode hands it back to, answered, and
         # the one the mode's poll-thread side commits from (exactly-once: the two sides share their transactions).
-        tracker, delivery_mode, commits = source._intake.tracker, publisher._delivery, source._commits
+        tracker, delivery_mode, commits = source._intake._tracker, publisher._delivery, source._commits
+        assert source._tracker is tracker and source.rebalance._tracker is tracker
         if mode == "exactly_once":
             assert delivery_mode._tracker is tracker and isinstance(commits, TransactionCommits)
             assert commits._transactions is delivery_mode._transactions

@@ -162,7 +162,8 @@ def test_a_fetch_is_decoded_only_while_the_budget_has_room_and_the_rest_waits_tr
     taken_back = intake.discard([("requests", 0)])  # a revoke: the waiting records go back with the rest
     assert sorted(request.offset for request in taken_back) == [2, 3] and intake.waiting == 0
     assert all(request.ledger is not None for request in taken_back)
-    alone = Intake(DECODER, OffsetTracker(), FakeModels(), budget=ByteBudget(max_bytes=size // 2))
-    alone.tracker.assign([("requests", 0)])
+    alone_tracker = OffsetTracker()
+    alone_tracker.assign([("requests", 0)])
+    alone = Intake(DECODER, alone_tracker, FakeModels(), budget=ByteBudget(max_bytes=size // 2))
     alone.take([Consumed(strings_value(959_000), partition=0, offset=0)], on_error=print)
     assert alone.waiting == 0 and alone.budget.held == size  # larger than the whole budget: served, alone

@@ -140,9 +140,8 @@ class Squares(EchoHandler):
 def serve(tracing: Tracing, records: list[FakeRecord], micro: int) -> list:
     """Decode, trace and run ``records`` through the real stages as one batch, then answer them."""
     handler = Squares()
-    decoder = RequestDecoder("replies", 1000, handler.payload_format)
+    decoder = RequestDecoder("replies", 1000, handler.payload_format, tracing=tracing)
     requests = [decoder.decode(record) for record in records]
-    tracing.received(requests)
     for request in requests:
         if request.ok:
             request.item = request.payload
@@ -227,8 +226,7 @@ def test_a_request_whose_span_cannot_start_is_served_untraced(spans, monkeypatch
     provider, exporter = spans
     tracing = Tracing(provider, "group")
     monkeypatch.setattr("kinference.consumer.ops.tracing.request_attributes", lambda request, group: 1 / 0)
-    request = RequestDecoder("replies", 1000).decode(FakeRecord(b"1", [(TRACEPARENT, CALLER)]))
-    tracing.received([request])
+    request = RequestDecoder("replies", 1000, tracing=tracing).decode(FakeRecord(b"1", [(TRACEPARENT, CALLER)]))
     assert request.trace is not None
     tracing.answered([request])
     assert reply_headers(request, time.monotonic())  # still answerable

@@ -32,13 +32,13 @@ def test_static_waits_for_delay_counted_from_oldest_arrival():
     clock = Clock()
     batcher, _ = make_batcher("static", size=4, delay_ms=50, clock=clock)
     assert batcher.wait_s(clock.now) is None
-    batcher.put(make_request(received=90.0))  # arrived 10 s before the batcher saw it? delay counts from arrival
-    batcher.put(make_request(received=100.0))
+    batcher.put([make_request(received=90.0)])  # arrived 10 s before the batcher saw it? delay counts from arrival
+    batcher.put([make_request(received=100.0)])
     assert batcher.wait_s(clock.now) == 0.0  # the oldest has waited far more than 50 ms already
 
     fresh, _ = make_batcher("static", size=4, delay_ms=50, clock=clock)
-    fresh.put(make_request(received=100.0))
-    fresh.put(make_request(received=100.02))
+    fresh.put([make_request(received=100.0)])
+    fresh.put([make_request(received=100.02)])
     assert fresh.wait_s(100.0) == pytest.approx(0.05)
     assert fresh.wait_s(100.03) == pytest.approx(0.02)
     assert fresh.wait_s(100.05) == 0.0
@@ -48,7 +48,7 @@ def test_static_dispatches_full_batch_at_once_and_caps_size():
     clock = Clock()
     batcher, _ = make_batcher("static", size=4, delay_ms=50, clock=clock)
     for _ in range(6):
-        batcher.put(make_request(received=clock.now))
+        batcher.put([make_request(received=clock.now)])
     assert batcher.wait_s(clock.now) == 0.0
     batch = batcher.next_batch(0.0)
     assert len(batch) == 4 and all(r.batch_size == 4 and r.dispatched == clock.now for r in batch)
@@ -57,7 +57,7 @@ def test_static_dispatches_full_batch_at_once_and_caps_size():
 
 def test_static_next_batch_times_out_with_empty_list_before_delay():
     batcher, _ = make_batcher("static", size=4, delay_ms=10_000, clock=time.monotonic)
-    batcher.put(make_request(received=time.monotonic()))
+    batcher.put([make_request(received=time.monotonic())])
     started = time.monotonic()
     assert batcher.next_batch(0.05) == []
     assert 0.04 <= time.monotonic() - started < 1.0
@@ -66,7 +66,7 @@ def test_static_next_batch_times_out_with_empty_list_before_delay():
 def test_static_real_clock_sends_partial_batch_when_delay_runs_out():
     batcher, _ = make_batcher("static", size=8, delay_ms=60, clock=time.monotonic)
     arrival = time.monotonic()
-    batcher.put(make_request(received=arrival))
+    batcher.put([make_request(received=arrival)])
     batch = batcher.next_batch(2.0)
     waited = time.monotonic() - arrival
     assert len(batch) == 1
@@ -76,7 +76,7 @@ def test_static_real_clock_sends_partial_batch_when_delay_runs_out():
 def test_greedy_never_holds_a_lone_request():
     clock = Clock()
     batcher, _ = make_batcher("greedy", size=32, delay_ms=1000, clock=clock)
-    batcher.put(make_request(received=clock.now))
+    batcher.put([make_request(received=clock.now)])
     assert batcher.wait_s(clock.now) == 0.0
     assert len(batcher.next_batch(0.0)) == 1
 
@@ -85,15 +85,15 @@ def test_greedy_takes_everything_waiting_up_to_max():
     clock = Clock()
     batcher, _ = make_batcher("greedy", size=5, clock=clock)
     for _ in range(7):
-        batcher.put(make_request(received=clock.now))
+        batcher.put([make_request(received=clock.now)])
     assert [len(batcher.next_batch(0.0)) for _ in range(2)] == [5, 2]
 
 
 def test_expired_requests_are_rejected_not_batched():
     batcher, rejected = make_batcher("greedy", epoch_ms=lambda: 1_000.0)
-    batcher.put(make_request(deadline_ms=999))  # already expired on arrival
+    batcher.put([make_request(deadline_ms=999)])  # already expired on arrival
     live = make_request(deadline_ms=5_000)
-    batcher.put(live)
+    batcher.put([live])
     assert [r.error.code for r in rejected] == ["deadline_exceeded"]
     assert batcher.next_batch(0.0) == [live]
 
@@ -102,8 +102,8 @@ def test_requests_expiring_while_queued_are_rejected_at_dispatch():
     now_ms = [1_000.0]
     batcher, rejected = make_batcher("greedy", epoch_ms=lambda: now_ms[0])
     doomed, survivor = make_request(deadline_ms=1_500), make_request(deadline_ms=9_000)
-    batcher.put(doomed)
-    batcher.put(survivor)
+    batcher.put([doomed])
+    batcher.put([survivor])
     now_ms[0] = 2_000.0
     assert batcher.next_batch(0.0) == [survivor]
     assert rejected == [doomed] and doomed.error.code == "deadline_exceeded"
@@ -114,7 +114,7 @@ def test_discard_removes_only_revoked_partitions():
     keep = [make_request(partition=0) for _ in range(3)]
     drop = [make_request(partition=1) for _ in range(2)]
     for request in [keep[0], drop[0], keep[1], drop[1], keep[2]]:
-        batcher.put(request)
+        batcher.put([request])
     assert batcher.discard([("requests", 1)]) == drop
     assert batcher.next_batch(0.0) == keep
 
@@ -143,7 +143,7 @@ def test_batches_stop_at_max_batch_bytes_but_take_at_least_one():
     for size in (4, 4, 4, 30, 1):
         request = make_request(received=clock.now)
         request.value = b"x" * size
-        batcher.put(request)
+        batcher.put([request])
     assert [[len(r.value) for r in batcher.next_batch(0.0)] for _ in range(3)] == [[4, 4], [4], [30]]
     assert [len(r.value) for r in batcher.next_batch(0.0)] == [1]
 
@@ -153,7 +153,7 @@ def test_static_batch_is_due_when_waiting_bytes_reach_the_limit():
     batcher = Batcher(limits("static", 10, 1000, max_batch_bytes=8), [].extend, clock=clock)
     request = make_request(received=clock.now)
     request.value = b"x" * 8
-    batcher.put(request)
+    batcher.put([request])
     assert batcher.wait_s(clock.now) == 0.0
 
 
@@ -165,12 +165,12 @@ def test_requests_older_than_max_queue_ms_are_shed_as_overloaded():
                       epoch_ms=lambda: now_ms[0])
     stale_in_kafka = make_request(received=clock.now)
     stale_in_kafka.timestamp_ms = 9_000.0  # written to Kafka 1 s ago: shed on arrival
-    batcher.put(stale_in_kafka)
+    batcher.put([stale_in_kafka])
     fresh = make_request(received=clock.now)
     fresh.timestamp_ms = 9_900.0
-    batcher.put(fresh)
+    batcher.put([fresh])
     untimed = make_request(received=clock.now)  # no record timestamp: age counts from receipt
-    batcher.put(untimed)
+    batcher.put([untimed])
     assert rejected == [stale_in_kafka] and stale_in_kafka.error.code == "overloaded"
     assert "max_queue_ms is 500" in stale_in_kafka.error.message
 
@@ -187,7 +187,7 @@ def test_expired_requests_do_not_take_places_in_the_batch():
     doomed = [make_request(deadline_ms=1_500) for _ in range(3)]
     live = [make_request() for _ in range(4)]
     for request in [doomed[0], live[0], doomed[1], doomed[2], live[1], live[2], live[3]]:
-        batcher.put(request)
+        batcher.put([request])
     now_ms[0] = 2_000.0
     assert batcher.next_batch(0.0) == live[:3]  # full, though three expired requests were in the way
     assert rejected == doomed
@@ -206,7 +206,7 @@ def take_tokens(batcher):
 def test_token_budget_groups_waiting_requests_by_length_around_the_oldest():
     batcher = Batcher(limits("greedy", 4, 0, max_batch_tokens=1000), [].extend, clock=Clock())
     for tokens in (12, 200, 10, 180, 11, 190, 9, 220, 13):
-        batcher.put(tokened(tokens))
+        batcher.put([tokened(tokens)])
     # The oldest (12) goes first, with the three waiting requests nearest to it in length.
     assert sorted(take_tokens(batcher)) == [10, 11, 12, 13]
     # Now the oldest is 200; 4 x 220 = 880 fits the budget.
@@ -218,7 +218,7 @@ def test_token_budget_groups_waiting_requests_by_length_around_the_oldest():
 def test_token_budget_bounds_longest_times_count_and_a_request_over_it_runs_alone():
     batcher = Batcher(limits("greedy", 32, 0, max_batch_tokens=100), [].extend, clock=Clock())
     for tokens in (30, 30, 30, 30, 500, 30):
-        batcher.put(tokened(tokens))
+        batcher.put([tokened(tokens)])
     assert take_tokens(batcher) == [30, 30, 30]  # 4 x 30 = 120 > 100
     assert sorted(take_tokens(batcher)) == [30, 30]
     assert take_tokens(batcher) == [500]  # over the budget: alone, never stuck
@@ -227,7 +227,7 @@ def test_token_budget_bounds_longest_times_count_and_a_request_over_it_runs_alon
 def test_length_groups_do_not_mix_short_and_long_requests():
     batcher = Batcher(limits("greedy", 32, 0, max_batch_tokens=100_000), [].extend, clock=Clock())
     for tokens in (256, 10, 12, 120):
-        batcher.put(tokened(tokens))
+        batcher.put([tokened(tokens)])
     # 120 is within 2 x + slack of 256, the short ones are not: padding them to 256 would cost
     # more than a batch of their own.
     assert sorted(take_tokens(batcher)) == [120, 256]
@@ -236,11 +236,11 @@ def test_length_groups_do_not_mix_short_and_long_requests():
 
 def test_no_request_is_starved_by_a_stream_of_other_lengths():
     batcher = Batcher(limits("greedy", 4, 0, max_batch_tokens=10_000), [].extend, clock=Clock())
-    batcher.put(tokened(250))
+    batcher.put([tokened(250)])
     served_long_after = None
     for round_ in range(10):
         for _ in range(8):
-            batcher.put(tokened(10))
+            batcher.put([tokened(10)])
         if 250 in take_tokens(batcher):
             served_long_after = round_
             break
@@ -250,7 +250,7 @@ def test_no_request_is_starved_by_a_stream_of_other_lengths():
 def test_without_token_budget_batches_stay_first_in_first_out():
     batcher = Batcher(limits("greedy", 3, 0), [].extend, clock=Clock())
     for tokens in (12, 200, 10, 180):
-        batcher.put(tokened(tokens))
+        batcher.put([tokened(tokens)])
     assert take_tokens(batcher) == [12, 200, 10]
 
 
@@ -263,7 +263,7 @@ def test_grouped_batches_still_shed_expired_requests_and_discard_revoked_partiti
     revoked = tokened(21, partition=1)
     kept = [tokened(t) for t in (19, 22)]
     for request in [kept[0], doomed, revoked, kept[1]]:
-        batcher.put(request)
+        batcher.put([request])
     assert batcher.discard([("requests", 1)]) == [revoked]
     now_ms[0] = 2_000.0
     assert batcher.next_batch(0.0) == kept
@@ -280,7 +280,7 @@ def test_adaptive_dispatches_at_once_until_it_has_learned_the_batch_cost():
     clock = Clock()
     batcher = Batcher(limits("adaptive", 32, 50), [].extend, clock=clock)
     for _ in range(5):
-        batcher.put(make_request(received=clock.now))
+        batcher.put([make_request(received=clock.now)])
     assert batcher.wait_s(clock.now) == 0.0
 
 
@@ -299,26 +299,26 @@ def busy_gpu_like(clock, max_batch_delay_ms, target_latency_ms):
 def test_adaptive_holds_a_batch_while_arrivals_in_one_fixed_cost_outnumber_the_waiting():
     clock = Clock()
     batcher = busy_gpu_like(clock, max_batch_delay_ms=50, target_latency_ms=200)
-    batcher.put(make_request(received=clock.now))
+    batcher.put([make_request(received=clock.now)])
     # ~20 arrive per fixed cost, 1 waits: hold until they are expected, bounded by max_batch_delay_ms.
     hold = batcher.wait_s(clock.now)
     assert 0.005 < hold <= 0.05
     for _ in range(25):
-        batcher.put(make_request(received=clock.now))
+        batcher.put([make_request(received=clock.now)])
     assert batcher.wait_s(clock.now) == 0.0
 
 
 def test_adaptive_never_holds_past_the_latency_target_or_at_low_load():
     clock = Clock()
     batcher = busy_gpu_like(clock, max_batch_delay_ms=1000, target_latency_ms=30)
-    batcher.put(make_request(received=clock.now - 0.005))
+    batcher.put([make_request(received=clock.now - 0.005)])
     # The oldest came 5 ms ago and its batch takes >= 20 ms: at most ~5 ms more may pass.
     assert batcher.wait_s(clock.now) <= 0.0051
 
     quiet = Batcher(limits("adaptive", 64, 1000, target_latency_ms=1000), [].extend, clock=clock)
     learned(quiet, fixed_s=0.020, per_unit_s=0.0001)
     quiet.arrivals.add(clock.now - 0.5)  # one request in the last second: nothing to wait for
-    quiet.put(make_request(received=clock.now))
+    quiet.put([make_request(received=clock.now)])
     assert quiet.wait_s(clock.now) == 0.0
 
 
@@ -329,7 +329,7 @@ def test_adaptive_on_cpu_like_cost_behaves_greedy():
     for _ in range(100):
         clock.now += 0.01
         batcher.arrivals.add(clock.now)
-    batcher.put(make_request(received=clock.now))
+    batcher.put([make_request(received=clock.now)])
     assert batcher.wait_s(clock.now) == 0.0
 
 
@@ -339,7 +339,7 @@ def test_while_only_full_batches_may_go_a_partial_one_waits_until_woken():
     batcher, _ = make_batcher("greedy", size=4, clock=time.monotonic)
     busy = threading.Event()
     busy.set()
-    batcher.put(make_request(received=time.monotonic()))
+    batcher.put([make_request(received=time.monotonic())])
     assert batcher.next_batch(0.05, busy.is_set) == []
     result: list = []
     waiter = threading.Thread(target=lambda: result.append(batcher.next_batch(10.0, busy.is_set)))
@@ -351,7 +351,7 @@ def test_while_only_full_batches_may_go_a_partial_one_waits_until_woken():
     waiter.join(2)
     assert not waiter.is_alive() and len(result[0]) == 1
     for _ in range(4):
-        batcher.put(make_request(received=time.monotonic()))
+        batcher.put([make_request(received=time.monotonic())])
     busy.set()
     assert len(batcher.next_batch(0.0, busy.is_set)) == 4  # a full batch goes even so
 
@@ -366,16 +366,13 @@ class CountingCondition(threading.Condition):
         super().notify(n)
 
 
-def test_requests_put_without_waking_wake_the_stages_once_for_all_of_them():
+def test_a_fetch_put_in_one_call_wakes_the_stages_once_for_all_of_its_requests():
     """Issue 27: a backlog's poll put hundreds of requests, each waking the dispatcher to look (a lock and a GIL
-    hand-off each); the intake now puts a whole poll, then wakes once."""
+    hand-off each); issue 38: the batcher takes a whole fetch in one call, one lock and one wake."""
     batcher, _ = make_batcher("greedy", size=8, clock=time.monotonic)
     batcher._cond = condition = CountingCondition()
-    for _ in range(3):
-        batcher.put(make_request(received=time.monotonic()), wake=False)
-    assert condition.notified == 0
-    batcher.wake()
+    batcher.put([make_request(received=time.monotonic()) for _ in range(3)])
     assert condition.notified == 1
     assert len(batcher.next_batch(0.1)) == 3
-    batcher.put(make_request(received=time.monotonic()))  # alone: wakes at once, as before
+    batcher.put([make_request(received=time.monotonic())])  # alone: wakes at once, as before
     assert condition.notified == 2

@@ -16,6 +16,7 @@ import pytest
 from kinference.consumer.delivery.answers import StreamChunk, answer
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
+from kinference.consumer.path.admission import Admission
 from kinference.consumer.path.generations import GenerationSettings, GenerativeRunner
 from kinference.handlers.generative import SERVING, EngineHealth, Event, GenerativeHandler, Prompt, Sampling
 from kinference.protocol import ATTEMPT, EVENT, SEQUENCE, ErrorCode
@@ -31,6 +32,9 @@ class ScriptedEngine(GenerativeHandler):
         self.cancelled: list[str] = []
         self._events: queue.Queue[Event] = queue.Queue()
         self._text: dict[str, str] = {}
+
+    def validate(self, payload: Any) -> Prompt:
+        return Prompt((1, 2, 3), Sampling(16), stream=payload["stream"])
 
     def submit(self, request_id: str, prompt: Prompt) -> None:
         self.submitted.append(request_id)
@@ -92,20 +96,19 @@ class Outbox:
 def generations(engine: ScriptedEngine, outbox: Outbox, **overrides: Any) -> GenerativeRunner:
     settings = {"max_sequences": 4, "max_sequences_per_partition": 2, "stream_every_tokens": 3,
                 "stream_every_s": 60.0, "chunks": True, **overrides}
-    return GenerativeRunner("lm", engine, outbox, GenerationSettings(**settings), Metrics())
+    return GenerativeRunner(Admission("lm", engine, outbox.submit), engine, outbox, GenerationSettings(**settings),
+                            Metrics())
 
 
 def request(partition: int = 0, stream: bool = True, deadline_ms: int | None = None) -> Request:
-    req = make_request({"prompt": "x"}, partition=partition, deadline_ms=deadline_ms)
-    req.item = Prompt((1, 2, 3), Sampling(16), stream=stream)
-    return req
+    return make_request({"prompt": "x", "stream": stream}, partition=partition, deadline_ms=deadline_ms)
 
 
 def test_admission_caps_sequences_per_model_and_per_partition(engine: ScriptedEngine) -> None:
     outbox = Outbox()
     gens = generations(engine, outbox)
     for partition in (0, 0, 0, 1, 1, 1):
-        gens.put(request(partition))
+        gens.put([request(partition)])
     # Two of partition 0, two of partition 1: the model's four places, each partition within its two.
     assert (gens.in_progress, gens.waiting) == (4, 2)
     gens.start()
@@ -122,7 +125,7 @@ def test_chunks_coalesce_and_the_final_carries_the_whole_text(engine: ScriptedEn
     outbox = Outbox()
     gens = generations(engine, outbox)
     req = request()
-    gens.put(req)
+    gens.put([req])
     gens.start()
     try:
         request_id = engine.submitted[0]
@@ -151,7 +154,7 @@ def test_a_passed_deadline_cancels_and_ends_with_finish_reason_deadline(engine: 
     outbox = Outbox()
     gens = generations(engine, outbox)
     req = request(deadline_ms=int(time.time() * 1000) + 300)
-    gens.put(req)
+    gens.put([req])
     gens.start()
     try:
         engine.step(engine.submitted[0], "partial")
@@ -167,7 +170,7 @@ def test_a_revoke_cancels_its_generations_and_answers_none(engine: ScriptedEngin
     gens = generations(engine, outbox)
     kept, moved, queued = request(partition=0), request(partition=1), request(partition=1)
     for req in (kept, moved, request(partition=1), queued):
-        gens.put(req)
+        gens.put([req])
     gens.start()
     try:
         dropped = gens.discard([("requests", 1)])
@@ -184,7 +187,7 @@ def test_no_chunks_without_stream_or_where_the_delivery_mode_produces_none(engin
         outbox = Outbox()
         gens = generations(engine, outbox, chunks=chunks)
         req = request(stream=stream)
-        gens.put(req)
+        gens.put([req])
         gens.start()
         try:
             engine.step(engine.submitted[-1], "one two", final=True)
@@ -201,7 +204,7 @@ def test_a_keyless_stream_goes_to_one_partition_the_runner_pins_at_its_first_chu
     keyless, keyed, asked = request(partition=0), request(partition=1), request(partition=2)
     keyed.key, asked.reply_partition = b"k", 2
     for req in (keyless, keyed, asked):
-        gens.put(req)
+        gens.put([req])
     gens.start()
     try:
         for request_id in engine.submitted:
@@ -220,8 +223,8 @@ def test_an_engine_error_fails_that_request_alone_with_a_dead_letter(engine: Scr
     outbox = Outbox()
     gens = generations(engine, outbox)
     bad, good = request(), request()
-    gens.put(bad)
-    gens.put(good)
+    gens.put([bad])
+    gens.put([good])
     gens.start()
     try:
         engine._events.put(Event(engine.submitted[0], "error", "the engine failed: boom"))
@@ -238,7 +241,7 @@ def test_a_cancel_stops_a_running_generation_and_ends_a_waiting_one(engine: Scri
     gens = generations(engine, outbox, max_sequences=1)
     running, waiting, other = request(), request(), request()
     for req in (running, waiting, other):
-        gens.put(req)
+        gens.put([req])
     gens.start()
     try:
         engine.step(engine.submitted[0], "so far")
@@ -258,8 +261,8 @@ def test_a_lost_generation_is_generated_again_under_a_new_attempt_first_in_line(
     outbox = Outbox()
     gens = generations(engine, outbox, max_sequences=1)
     lost, waiting = request(), request()
-    gens.put(lost)
-    gens.put(waiting)
+    gens.put([lost])
+    gens.put([waiting])
     gens.start()
     try:
         engine.step(engine.submitted[0], "old")
@@ -285,8 +288,8 @@ def test_a_lost_generation_that_was_cancelled_ends_cancelled_and_one_lost_too_of
     outbox = Outbox()
     gens = generations(engine, outbox)
     cancelled, doomed = request(), request()
-    gens.put(cancelled)
-    gens.put(doomed)
+    gens.put([cancelled])
+    gens.put([doomed])
     gens.start()
     try:
         engine.step(engine.submitted[0], "so far")
@@ -322,9 +325,9 @@ def test_a_deadline_that_passes_while_the_request_waits_is_answered_then_never_g
     running = request()
     deadline_ms = int(time.time() * 1000) + 300
     waiting, expired = request(deadline_ms=deadline_ms), request(deadline_ms=int(time.time() * 1000) - 1)
-    gens.put(running)
-    gens.put(waiting)
-    gens.put(expired)
+    gens.put([running])
+    gens.put([waiting])
+    gens.put([expired])
     assert outbox.answered == [expired] and expired.error.code == ErrorCode.DEADLINE_EXCEEDED
     gens.start()
     try:
@@ -366,14 +369,14 @@ def test_an_engine_whose_events_raise_fails_what_it_held_and_the_drain_goes_on()
     gens = generations(engine, outbox)
     held = [request(), request(partition=1)]
     for req in held:
-        gens.put(req)
+        gens.put([req])
     gens.start()
     try:
         engine.fail.set()
         assert wait_for(lambda: len(outbox.answered) == 2)
         assert gens.healthy
         after = request()
-        gens.put(after)
+        gens.put([after])
         engine.step(engine.submitted[-1], "fine", final=True)
         assert wait_for(lambda: after in outbox.answered)
     finally:

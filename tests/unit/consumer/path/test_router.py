@@ -51,6 +51,21 @@ def test_the_decoder_reads_each_value_as_its_models_handler_takes_it_and_replies
     assert MODEL_VERSION not in dict(reply_headers(image, now=image.received))
 
 
+@pytest.mark.parametrize(("topic", "headers", "expected", "oip_call"), [
+    ("images", [("other", b"x"), (oip.MODEL_HEADER, None)], "resnet", False),  # named by no value: the topic's
+    ("requests", [(oip.MODEL_HEADER, None)], "minilm", True),  # yet it asks for OIP, as MLServer's header does
+    ("requests", [("other", None), (MODEL, b"resnet")], "resnet", False),
+    ("images", [("other", b"x")], "resnet", False),  # no header names a model: the topic alone routes it
+])
+def test_the_decoder_reads_whether_a_header_names_a_model_in_its_one_pass_over_them(topic, headers, expected,
+                                                                                    oip_call):
+    """Issue 38: the decoder's pass over the headers also notes whether any names a model, so that a record with none
+    (most) is routed by its topic, with no second and third pass for the model and for OIP."""
+    decoded = RequestDecoder("replies", 10_000, router=ROUTER).decode(FakeRecord(b"{}", headers=headers, topic=topic))
+    assert decoded.model is not None and decoded.model.name == expected
+    assert isinstance(decoded.reply_format, oip.OipCall) is oip_call
+
+
 def test_an_unknown_model_is_a_dead_letter_with_no_model_and_an_oip_caller_gets_oips_error_body():
     decoder = RequestDecoder("replies", 10_000, router=ROUTER)
     plain = decoder.decode(FakeRecord(b'{"text": "hi"}', headers=[(MODEL, b"gpt")]))

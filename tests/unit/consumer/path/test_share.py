@@ -128,7 +128,8 @@ def test_the_poll_thread_fetches_again_only_once_the_last_fetch_is_acknowledged(
     ledger, models = ShareLedger(), FakeModels()
     routed = models.routed
     intake = Intake(RequestDecoder("replies", 1000), ledger, models)
-    source = ShareSource(ServiceConfig(group_type="share", request_topics=["requests"]), intake, Metrics(),
+    metrics = Metrics()
+    source = ShareSource(ServiceConfig(group_type="share", request_topics=["requests"]), intake, ledger, metrics,
                          consumer_factory=FakeShareConsumer)
     consumer = source._consumer
     source.start()
@@ -149,6 +150,9 @@ def test_the_poll_thread_fetches_again_only_once_the_last_fetch_is_acknowledged(
     assert consumer.acknowledged == [(0, AcknowledgeType.ACCEPT), (1, AcknowledgeType.ACCEPT),
                                      (2, AcknowledgeType.ACCEPT), (3, AcknowledgeType.ACCEPT),
                                      (4, AcknowledgeType.RELEASE), (5, AcknowledgeType.RELEASE)]
+    counted = {kind: metrics.registry.get_sample_value("kinference_share_acknowledgements_total", {"kind": kind})
+               for kind in ("accept", "release")}
+    assert counted == {"accept": 4, "release": 2}  # observed once per kind and turn, each by its count
 
 
 def test_kinferences_acknowledgement_numbers_are_librdkafkas():

@@ -112,15 +112,10 @@ def make_source(metrics: Metrics | None = None, commits: Callable[[OffsetTracker
     """``commits(tracker)``: the poll thread's commits (a fake that records them, by default)."""
     config = ServiceConfig(request_topics=["requests"], **overrides)
     tracker = OffsetTracker()
-
-    def route(request):
-        if request.payload == "explode":
-            raise RuntimeError("routing bug")
-
-    models = FakeModels(on_route=route)
+    models = FakeModels()
     intake = Intake(RequestDecoder("replies", 1000), tracker, models)
-    source = Source(config, intake, commits(tracker), metrics or Metrics(), consumer_factory=FakeConsumer)
-    return source, source._consumer, tracker, models.routed, models.answered
+    source = Source(config, intake, tracker, commits(tracker), metrics or Metrics(), consumer_factory=FakeConsumer)
+    return source, source._consumer, tracker, models.routed, models
 
 
 def tp(partition: int) -> TopicPartition:
@@ -141,26 +136,27 @@ class Record(FakeRecord):
 
 
 def test_every_record_of_a_batch_is_tracked_and_answered_whatever_one_of_them_does():
-    source, consumer, tracker, routed, rejected = make_source()
+    source, consumer, tracker, routed, _ = make_source()
     source.rebalance.on_assign(consumer, [tp(0)])
-    batch = [Record(b'"a"', offset=0), Broken(b'"b"', offset=1), Record(b'"explode"', offset=2),
-             Record(b'"c"', offset=3)]
-    consumer.positions[("requests", 0)] = 4
+    batch = [Record(b'"a"', offset=0), Broken(b'"b"', offset=1), Record(b'"c"', offset=2)]
+    consumer.positions[("requests", 0)] = 3
     source._take_in(batch)
-    assert [r.offset for r in routed] == [0, 1, 3]  # the broken record is routed as a failed request
+    assert [r.offset for r in routed] == [0, 1, 2]  # the broken record is handed on as a failed request
     assert routed[1].unroutable and routed[1].dead_letter
-    assert [(r.offset, r.error.code) for r in rejected] == [(2, "internal_error")]
-    assert tracker.in_flight == 4  # all tracked: the commit cannot pass any of them unanswered
+    assert [r.ok for r in routed] == [True, False, True]
+    assert tracker.in_flight == 3  # all tracked: the commit cannot pass any of them unanswered
 
 
-def test_a_fetch_wakes_the_stages_once_after_routing_all_its_requests():
-    """Issue 27: each request woke its model's stages as it was routed; now the fetch's last one does, for all."""
+def test_a_fetch_goes_to_the_models_in_one_call_its_requests_with_their_ledgers():
+    """Issue 27: each request woke its model's stages as it was routed; issue 38: the fetch is the unit, handed on
+    in one call (each model's runner then admits and queues its share in one call)."""
     tracker = OffsetTracker()
     tracker.assign([("requests", 0)])
-    models = FakeModels(on_route=lambda request: None if models.wakes == 0 else pytest.fail("woken before routing"))
+    models = FakeModels()
     intake = Intake(RequestDecoder("replies", 1000), tracker, models)
     intake.take([Record(b'"a"', offset=0), Record(b'"b"', offset=1), Record(b'"c"', offset=2)], print)
-    assert len(models.routed) == 3 and models.wakes == 1
+    assert len(models.routed) == 3 and models.takes == 1
+    assert all(request.ledger is not None for request in models.routed)
 
 
 def test_offsets_the_consumer_passed_without_handing_a_record_over_are_committed_across():

@@ -10,14 +10,13 @@ import pytest
 from kinference.consumer.config import Batching, Parallelism
 from kinference.consumer.ops.metrics import Metrics
 from kinference.consumer.path import results
-from kinference.consumer.path.admission import admit
 from kinference.consumer.path.batcher import Batcher
 from kinference.consumer.path.results import MAX_RESULT_DEPTH, finite, reply_value
 from kinference.consumer.path.stages import InProcessInference, ModelRun, Pipeline
 from kinference.errors import InvalidInput, RequestError
 from kinference.handlers.base import Handler
 from kinference.handlers.echo import EchoHandler
-from tests.fakes import FakeBatches, make_request, wait_for
+from tests.fakes import FakeBatches, admit, make_request, wait_for
 
 
 def run(handler: Handler, **batching) -> ModelRun:
@@ -416,7 +415,7 @@ def test_a_busy_inference_thread_gets_a_full_batch_queued_behind_it_but_never_a_
         for value in values:
             request = make_request({"x": value})
             admit(handler, [request])
-            batcher.put(request)
+            batcher.put([request])
 
     pipeline.start()
     try:
