@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from confluent_kafka import KafkaError
@@ -149,6 +149,9 @@ class Settled:
     """Records that count as delivered now: the publisher counts them (replies, error replies, dead letters)."""
     failure: str | None = None
     """Why the service must stop (transactions aborted too often in a row), if it must."""
+    errors: dict[Request, RequestError] = field(default_factory=dict)
+    """Those of ``answered`` that the delivery answered with an error of its own (``Delivery.error``: their own
+    ``error`` is None), with it: their spans end with it. Rare, so usually empty."""
 
 
 @dataclass(frozen=True, slots=True)

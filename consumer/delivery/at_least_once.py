@@ -58,7 +58,7 @@ class AtLeastOnce:
         self._errors: dict[Request, RequestError] = {}
         """The delivery's outcome of requests not answered yet whose records answer with an error not their own
         (``Delivery.error``); rare, so that an ok answer costs no look-up."""
-        self._failed: set[Request] = set()
+        self._failed: dict[Request, RequestError] = {}
         """Answered since the last hand-over, with an error their records gave them (see ``_errors``)."""
         self._landed: list[Delivery] = []
         self._closed = False
@@ -112,10 +112,10 @@ class AtLeastOnce:
         """Hand the requests answered since the last turn to their ledger: the consumer commits their offsets."""
         answered, self._answered = self._answered, []
         landed, self._landed = self._landed, []
-        failed, self._failed = self._failed, set()
+        failed, self._failed = self._failed, {}
         if answered:
             self._ledger.finish(answered, failed)
-        return Settled(answered, landed)
+        return Settled(answered, landed, errors=failed)
 
     def close(self) -> None:
         """The publisher leaves: what is still unanswered stays uncommitted, and is served again after a restart."""
@@ -137,5 +137,5 @@ class AtLeastOnce:
             return
         del self._outstanding[request]
         self._answered.append(request)
-        if self._errors and self._errors.pop(request, None) is not None:
-            self._failed.add(request)
+        if self._errors and (error := self._errors.pop(request, None)) is not None:
+            self._failed[request] = error

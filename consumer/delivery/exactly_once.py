@@ -116,6 +116,10 @@ class ExactlyOnce:
         self._doomed: KafkaError | None = None
         """Why the open transaction cannot commit: one of its records was refused."""
         self._landed: list[Delivery] = []
+        self._errors: dict[Request, RequestError] = {}
+        """The delivery's own errors (``Delivery.error``) of held requests, the first of each: kept across an abort,
+        since a plan's record given up on (unanswerable) is not produced again; handed on when their transaction
+        commits."""
         """Records of the open transaction the broker acknowledged: they count once it commits."""
         self._initialised = False
         self._next_commit = 0.0
@@ -172,12 +176,16 @@ class ExactlyOnce:
 
     def delivered(self, delivery: Delivery) -> None:
         self._landed.append(delivery)
+        if delivery.error is not None:
+            self._errors.setdefault(delivery.request, delivery.error)
 
     def refused(self, delivery: Delivery, error: KafkaError, replacements: list[Delivery] | None,
                 at_once: bool) -> list[Delivery]:
         """A record of the open transaction was refused: for a passing reason (``replacements`` None), or for good,
         and ``replacements`` answer its request in its place (none: it is answered without it, unanswerable).
         ``at_once``: ``produce()`` itself refused it. Returns what to produce now."""
+        if delivery.error is not None:
+            self._errors.setdefault(delivery.request, delivery.error)
         if replacements is None or not at_once:
             self._doomed = self._doomed or error  # the next transaction carries the record, or what replaces it
         if replacements is None:
@@ -200,7 +208,11 @@ class ExactlyOnce:
             in_flight.void()  # before the abort: what the aborted records still report is stale
             return Settled([], [], self._abort(producer, transaction, abort.error))
         self._plans = {}
-        return Settled(transaction.requests, self._landed)
+        errors = {}
+        if self._errors:
+            errors = {request: error for request in transaction.requests
+                      if (error := self._errors.pop(request, None)) is not None}
+        return Settled(transaction.requests, self._landed, errors=errors)
 
     def close(self) -> None:
         """The publisher leaves: nothing more becomes durable. A transactional call being retried gives up, and

@@ -359,7 +359,7 @@ class Publisher:
             self._fail(settled.failure)
         self._count(settled.landed)
         if settled.answered and self._tracing is not None:
-            self._tracing.answered(settled.answered)  # the end of each request's span: it counts as answered
+            self._tracing.answered(settled.answered, settled.errors)  # each span ends: it counts as answered
         self._settled = final
 
     # --- records

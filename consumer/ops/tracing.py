@@ -44,7 +44,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kinference import __version__
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.types import Headers
-from kinference.errors import ConfigError
+from kinference.errors import ConfigError, RequestError
 from kinference.protocol import MAX_ERROR_MESSAGE
 
 log = logging.getLogger(__name__)
@@ -246,12 +246,14 @@ class Tracing:
 
         return traced
 
-    def answered(self, requests: list[Request]) -> None:
-        """End the span of each request whose answer the broker has (publisher thread)."""
+    def answered(self, requests: list[Request], errors: Mapping[Request, RequestError] | None = None) -> None:
+        """End the span of each request whose answer the broker has (publisher thread); ``errors``: those the
+        delivery answered with an error of its own (``delivery.answers.Settled.errors``)."""
         ended = time.time_ns()
         for request in requests:
             span = _span(request)
-            if request.error is not None:
-                span.set_attribute("error.type", str(request.error.code))
-                span.set_status(Status(StatusCode.ERROR, request.error.message[:MAX_ERROR_MESSAGE]))
+            error = request.error or (errors.get(request) if errors else None)
+            if error is not None:
+                span.set_attribute("error.type", str(error.code))
+                span.set_status(Status(StatusCode.ERROR, error.message[:MAX_ERROR_MESSAGE]))
             span.end(ended)

@@ -23,6 +23,14 @@ log = logging.getLogger(__name__)
 Answer = Callable[[list[Request]], None]
 """Hands finished requests on to be answered (``Publisher.submit``)."""
 
+
+def let_go(requests: list[Request]) -> None:
+    """Drop each request's decoded value and item: its runner calls this as it hands requests on to be answered,
+    computed or refused. Their answers may wait for the broker a long while (an outage), and the byte budget no
+    longer counts them by then."""
+    for request in requests:
+        request.payload = request.item = None
+
 Admitted = tuple[Any, int | None]
 """An admitted request's item (what ``validate`` made of its payload) and its tokens (``cost``; None: not counted)."""
 
@@ -70,6 +78,7 @@ class Admission:
                 request.item, request.tokens = outcome
                 admitted.append(request)
         if refused:
+            let_go(refused)
             self._answer(refused)
         return admitted
 
@@ -83,6 +92,7 @@ class Admission:
         except Exception as exc:  # a bug: the record is tracked, so it must still be answered
             log.exception("model %s: queueing a request failed; it gets an internal_error reply", self.name)
             request.fail(RequestError(f"kinference could not route the request: {exc!r}", ErrorCode.INTERNAL_ERROR))
+            let_go([request])
             self._answer([request])
 
 

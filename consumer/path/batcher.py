@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from kinference.consumer.config import Batching
 from kinference.consumer.ledger.request import Request
+from kinference.consumer.path.admission import let_go
 from kinference.consumer.path.cost import ArrivalRate, BatchCost
 from kinference.errors import RequestError
 from kinference.protocol import ErrorCode
@@ -113,6 +114,7 @@ class Batcher:
                 request.fail(error)
                 refused.append(request)
         if refused:
+            let_go(refused)
             self._reject(refused)
         if not kept:
             return
@@ -205,7 +207,9 @@ class Batcher:
             for request, error in rejected:
                 request.fail(error)
             if rejected:
-                self._reject([request for request, _ in rejected])
+                refused = [request for request, _ in rejected]
+                let_go(refused)
+                self._reject(refused)
             if batch:
                 for request in batch:
                     request.dispatched = now

@@ -50,7 +50,7 @@ from kinference.consumer.config import ServiceConfig
 from kinference.consumer.delivery.answers import StreamChunk
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.metrics import Metrics
-from kinference.consumer.path.admission import Admission
+from kinference.consumer.path.admission import Admission, let_go
 from kinference.consumer.types import PartitionKey
 from kinference.consumer.wire.openai import FinalFormat, Ids, chunk_value, completion_value, stream_headers
 from kinference.errors import RequestError
@@ -190,7 +190,7 @@ class GenerativeRunner:
                 self._waiting.remove(request)
         for request in cancelled:
             generation = _Generation(request, _prompt(request), uuid.uuid4().hex[:16], self._ids())
-            self._outlet.submit([self._finish(generation, Event("", "cancelled",
+            self._answer([self._finish(generation, Event("", "cancelled",
                                                          prompt_tokens=len(generation.prompt.token_ids)))])
 
     def _ids(self) -> Ids:
@@ -238,7 +238,7 @@ class GenerativeRunner:
         except Exception as exc:  # an engine that refuses one request fails that request alone
             request.fail(exc if isinstance(exc, RequestError) else
                          RequestError(f"the engine refused the request: {exc!r}", ErrorCode.HANDLER_ERROR))
-            self._outlet.submit([request])
+            self._answer([request])
             return
         request.dispatched = time.monotonic()
         self._running[request_id] = generation
@@ -261,7 +261,7 @@ class GenerativeRunner:
                 self._lost.pop(request, None)
                 request.fail(RequestError("deadline passed before the request was computed",
                                           ErrorCode.DEADLINE_EXCEEDED))
-            self._outlet.submit(expired)
+            self._answer(expired)
         self._next_deadline_ms = min((request.deadline_ms for request in self._waiting
                                       if request.deadline_ms is not None), default=math.inf)
 
@@ -312,7 +312,7 @@ class GenerativeRunner:
                     self._pin(chunks)
                     self._outlet.stream(chunks)
                 if answered:
-                    self._outlet.submit(answered)
+                    self._answer(answered)
                 self._observe(events)
         except BaseException as exc:  # a drain thread must never die silently: health says so
             self.crashed = repr(exc)
@@ -409,6 +409,11 @@ class GenerativeRunner:
             if request.key is None and request.reply_partition is None:
                 count = self._outlet.reply_partitions(request.reply_topic) or 1
                 request.reply_partition = zlib.crc32(request.correlation_id.encode()) % count
+
+    def _answer(self, requests: list[Request]) -> None:
+        """Hand finished requests on to be answered (their finals, or error replies), their decoded values let go."""
+        let_go(requests)
+        self._outlet.submit(requests)
 
     def _finish(self, generation: _Generation, event: Event) -> Request:
         request = generation.request

@@ -24,6 +24,7 @@ from kinference.consumer.config import Batching
 from kinference.consumer.ledger.request import Request
 from kinference.consumer.ops.logs import about
 from kinference.consumer.ops.metrics import Metrics
+from kinference.consumer.path.admission import let_go
 from kinference.consumer.path.pools import POLL_S, Abandoned, BatchTicket, MicroBatch, PoolsShare, StagePool
 from kinference.consumer.path.results import reply_value
 from kinference.errors import RequestError
@@ -227,9 +228,7 @@ class Pipeline:
             micro_batch.trace.span.end()
         with self._settle_lock:
             self._in_progress -= len(micro_batch.requests)
-        for request in micro_batch.requests:
-            # Done with: their decoded values go now, not when their answers are delivered (``ledger.budget``).
-            request.payload = request.item = None
+        let_go(micro_batch.requests)
         self._emit(micro_batch.requests)
 
     def _dispatch(self) -> None:
