@@ -196,9 +196,22 @@ class Supervised:
 
 def workers_drain(name: str, about: str, run: Supervised, topics: Topics, requests: int) -> Drain:
     """A supervised contender: ``serve --workers 2`` (the ``-2-workers`` ones), or with a device process (the
-    ``-device`` ones)."""
+    ``-device`` ones). Its backlog waits for it, as every other contender's does, unless several workers may join
+    (``Drain.backlog_after_ready``): a backlog produced while a contender drains comes in small fetches, which cost
+    more per message (5 µs of a worker's ~70 on this project's 2-core machine), so that a contender timed that way is
+    not compared on the same terms."""
     return Drain(name, about, partial(_serve_workers, run), f"bench-{topics['requests']}", requests,
-                 backlog_after_ready=True)
+                 backlog_after_ready=most_workers(run) > 1)
+
+
+def most_workers(run: Supervised) -> int:
+    """The most worker processes ``run`` can have on this host: ``--workers auto`` with a device process is sized by
+    its calibration within ``worker_cap``, and without one is a single process."""
+    from kinference.consumer.accelerator.calibration import worker_cap
+
+    if run.workers is not None:
+        return run.workers
+    return worker_cap(run.devices) if run.devices else 1
 
 
 def _committing_relay(bootstrap_servers: str, topic: str) -> LoopThread:
@@ -481,6 +494,16 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     # cannot always tell).
     (WAITING, "threading.py", frozenset({"wait", "acquire"})),
     (WAITING, "queue.py", frozenset({"get", "put"})),
+    # A device link's thread blocked on its socket (the other process's turn), and the simulated device's wait (a
+    # sleep, as a GPU's synchronise): py-spy's --nonblocking samples take both for work.
+    (WAITING, "consumer/accelerator/wire.py", frozenset({"_receive"})),
+    ("inference", "handlers/sim.py", frozenset({"queue", "_locked", "_read"})),
+    (WAITING, "handlers/sim.py", frozenset({"forward_rows"})),
+    ("device link", "consumer/accelerator/arena.py", None),
+    ("device link", "consumer/accelerator/wire.py", None),
+    ("device link", "consumer/accelerator/worker_link.py", None),
+    ("device link", "consumer/accelerator/device_server.py", frozenset({
+        "send", "answer", "_send", "_serve_batches", "_call", "_run_while_free", "_take", "_run_batch", "observe"})),
     ("poll: tokenise", "handlers/text.py",
      frozenset({"validate", "validate_many", "tokenize", "_item", "_cut", "cost"})),
     ("poll: admission", "consumer/path/admission.py", None),
@@ -527,11 +550,12 @@ PART_OF: dict[str, str] = {
     "poll: track": "delivery/ledger",
     "publish: delivery reports": "delivery/ledger",
     "commit": "commit",
+    "device link": "device link",
 }
 """Each stage's part of a message's way (issue 38's per-stage table); the rest (the poll loop's own turn, the lag
 reader, the relay's loop, frames of no stage) is ``other``."""
-PARTS = ("consume", "decode", "admission/tokenise", "batcher", "stages", "inference", "reply encoding", "produce",
-         "delivery/ledger", "commit", "other")
+PARTS = ("consume", "decode", "admission/tokenise", "batcher", "stages", "inference", "device link", "reply encoding",
+         "produce", "delivery/ledger", "commit", "other")
 
 
 def parts(us_per_stage: dict[str, float]) -> dict[str, float]:
