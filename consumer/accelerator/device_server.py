@@ -313,13 +313,13 @@ class DeviceServer:
         try:
             while not self._stopping.is_set():
                 try:
-                    received = wire.receive_to_device(connection.sock)
+                    received = wire.receive_call(connection.sock)
                 except (OSError, wire.WireError) as exc:
                     log.warning("a worker's batch link failed (%s); closed", exc)
                     return
                 if received is None:
                     return
-                self._call(connection, received[0])
+                self._call(connection, received)
         finally:
             self._connections.discard(connection)
             connection.sock.close()
