@@ -14,7 +14,7 @@ import copy
 import logging
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -428,9 +428,9 @@ class TextHandler(Handler):
         buckets = self.accelerator.buckets
         shape = (rows, longest) if buckets is None else buckets.shape(rows, longest)
         pads = self._pads()
-        if len(inputs) == 1 and _shaped(inputs[0], shape, pads):  # one worker's micro-batch as it is: no copy
-            return replace(inputs[0], tensors={name: self.accelerator.host(tensor)
-                                                           for name, tensor in inputs[0].tensors.items()})
+        if len(inputs) == 1 and _shaped(only := inputs[0], shape, pads):  # one worker's micro-batch as it is: no copy
+            return TextBatch({name: self.accelerator.host(tensor) for name, tensor in only.tensors.items()},
+                             only.real_rows, only.real_tokens, only.item_rows)
         merged = {name: torch.full(shape, pad, dtype=torch.int64) for name, pad in pads.items()}
         row = 0
         for batch in inputs:

@@ -124,7 +124,8 @@ def send(sock: socket.socket, message: ToDevice | ToWorker, fds: Sequence[int] =
     view = memoryview(data)
     for start in range(0, max(len(data), 1), FRAGMENT_BYTES):
         end = start + FRAGMENT_BYTES
-        packet = [_LAST if end >= len(data) else _MORE, view[start:end]]  # one packet of both: no copy to join them
+        # One packet of both: no copy to join them.
+        packet: list[bytes | memoryview] = [_LAST if end >= len(data) else _MORE, view[start:end]]
         if start == 0 and fds:
             socket.send_fds(sock, packet, list(fds))
         else:
