@@ -22,7 +22,8 @@ embedded Tansu, or Apache Kafka):
   speed, with ``serve --workers 2`` (a supervisor and two worker processes; the sim's device is one for both).
 
 Reported for each: messages per second; CPU time per message (the contender's processes' user + system time over
-the drain, librdkafka's threads and a supervisor's workers included), and the broker's beside it (the embedded
+the drain, librdkafka's threads and a supervisor's device process and workers included, each kind's share beside the
+total: ``cpu_by_role``), and the broker's beside it (the embedded
 broker is a child process of the drain); where the time goes (a py-spy sampling profile of the contender,
 its active samples summarised per stage, as thread-microseconds per message, and the stages summed into the parts
 of a message's way, ``PARTS``: the per-stage table); and for ``sim`` the simulated device's busy fraction. Kafka
@@ -496,7 +497,7 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     (WAITING, "queue.py", frozenset({"get", "put"})),
     # A device link's thread blocked on its socket (the other process's turn), and the simulated device's wait (a
     # sleep, as a GPU's synchronise): py-spy's --nonblocking samples take both for work.
-    (WAITING, "consumer/accelerator/wire.py", frozenset({"_receive"})),
+    (WAITING, "consumer/accelerator/wire.py", frozenset({"_receive", "_with_fds", "_without_fds"})),
     ("inference", "handlers/sim.py", frozenset({"queue", "_locked", "_read"})),
     (WAITING, "handlers/sim.py", frozenset({"forward_rows"})),
     ("device link", "consumer/accelerator/arena.py", None),

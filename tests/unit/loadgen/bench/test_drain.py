@@ -52,6 +52,8 @@ def test_a_device_link_waits_for_the_other_process_and_its_own_work_is_its_part(
     call = (f"{ROOT};Pipeline._inference (consumer/path/stages.py:305);DeviceInference.infer "
             "(consumer/accelerator/worker_link.py:98);DeviceLink.infer (consumer/accelerator/worker_link.py:72)")
     assert stage_of(f"{call};_receive (consumer/accelerator/wire.py:160)".split(";")) == "waiting"
+    assert stage_of(f"{call};_receive (consumer/accelerator/wire.py:160);_without_fds (consumer/accelerator/wire.py:"
+                    "155)".split(";")) == "waiting"
     assert stage_of(f"{call};Arena.write_inputs (consumer/accelerator/arena.py:60)".split(";")) == "device link"
     batch = (f"{ROOT};DeviceServer._run_batch (consumer/accelerator/device_server.py:330);DeviceServer._infer "
              "(consumer/accelerator/device_server.py:350);TextHandler.inference (handlers/text.py:461)")
