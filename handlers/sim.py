@@ -126,10 +126,16 @@ class SharedDevice:
         self._lock = threading.Lock()  # flock is per open file: the threads of one process take turns here first
 
     def queue(self, seconds: float) -> float:
-        with self._locked():
-            free_at, busy_s, calls = self._read()
-            done_at = max(time.monotonic(), free_at) + seconds
-            os.pwrite(self._fd, self._LAYOUT.pack(done_at, busy_s + seconds, calls + 1), 0)
+        # Locked in line, not through ``_locked``: once per device batch, where a generator's frames cost as much as
+        # the lock.
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                free_at, busy_s, calls = self._read()
+                done_at = max(time.monotonic(), free_at) + seconds
+                os.pwrite(self._fd, self._LAYOUT.pack(done_at, busy_s + seconds, calls + 1), 0)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
         return done_at
 
     def stats(self) -> dict[str, float]:

@@ -148,6 +148,17 @@ class TextBatch:
     """How many of the rows each item takes, in order, where an item takes several (an OpenAI embeddings body's
     texts); empty: one each. A device process hands outputs back by item."""
 
+    def __reduce__(self) -> tuple[type[TextBatch], tuple[Any, ...]]:
+        """Pickled as its fields, in order (a device process's arena, once per micro-batch): the slotted dataclass's
+        own state functions walk its fields in Python."""
+        return TextBatch, (self.tensors, self.real_rows, self.real_tokens, self.item_rows)
+
+
+def _shaped(batch: TextBatch, shape: tuple[int, int], pads: dict[str, int]) -> bool:
+    """``batch`` is already a device batch of ``shape``: the tensors ``pads`` names, every row real."""
+    return batch.tensors.keys() == pads.keys() and all(tuple(tensor.shape) == shape
+                                                       for tensor in batch.tensors.values())
+
 
 def encoder(tokenizer: PreTrainedTokenizerBase, max_length: int | None,
             lowercase: bool = False) -> tokenizers.Tokenizer:
@@ -416,7 +427,11 @@ class TextHandler(Handler):
         longest = max(batch.tensors["input_ids"].shape[1] for batch in inputs)
         buckets = self.accelerator.buckets
         shape = (rows, longest) if buckets is None else buckets.shape(rows, longest)
-        merged = {name: torch.full(shape, pad, dtype=torch.int64) for name, pad in self._pads().items()}
+        pads = self._pads()
+        if len(inputs) == 1 and _shaped(only := inputs[0], shape, pads):  # one worker's micro-batch as it is: no copy
+            return TextBatch({name: self.accelerator.host(tensor) for name, tensor in only.tensors.items()},
+                             only.real_rows, only.real_tokens, only.item_rows)
+        merged = {name: torch.full(shape, pad, dtype=torch.int64) for name, pad in pads.items()}
         row = 0
         for batch in inputs:
             count = batch.real_rows

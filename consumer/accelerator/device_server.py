@@ -313,13 +313,13 @@ class DeviceServer:
         try:
             while not self._stopping.is_set():
                 try:
-                    received = wire.receive_to_device(connection.sock)
+                    received = wire.receive_call(connection.sock)
                 except (OSError, wire.WireError) as exc:
                     log.warning("a worker's batch link failed (%s); closed", exc)
                     return
                 if received is None:
                     return
-                self._call(connection, received[0])
+                self._call(connection, received)
         finally:
             self._connections.discard(connection)
             connection.sock.close()
@@ -427,8 +427,16 @@ class DeviceMetrics:
                        "merge and inference.", ["device", "model"], registry=registry)
         self._device = device
         self._rows, self._parts, self._busy = rows, parts, busy
+        self._children: dict[str, tuple[Any, Any, Any]] = {}
 
     def observe(self, model: str, parts: int, rows: int, seconds: float) -> None:
-        self._rows.labels(self._device, model).observe(rows)
-        self._parts.labels(self._device, model).observe(parts)
-        self._busy.labels(self._device, model).inc(seconds)
+        """One device batch: its children of each model looked up once (a label lookup takes a lock and a tuple)."""
+        children = self._children.get(model)
+        if children is None:
+            children = self._children[model] = (self._rows.labels(self._device, model),
+                                                 self._parts.labels(self._device, model),
+                                                 self._busy.labels(self._device, model))
+        rows_child, parts_child, busy_child = children
+        rows_child.observe(rows)
+        parts_child.observe(parts)
+        busy_child.inc(seconds)

@@ -18,7 +18,7 @@ about 208 KiB by default).
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import TypeVar
 
@@ -124,43 +124,64 @@ def send(sock: socket.socket, message: ToDevice | ToWorker, fds: Sequence[int] =
     view = memoryview(data)
     for start in range(0, max(len(data), 1), FRAGMENT_BYTES):
         end = start + FRAGMENT_BYTES
-        packet = (_LAST if end >= len(data) else _MORE) + view[start:end]
+        # One packet of both: no copy to join them.
+        packet: list[bytes | memoryview] = [_LAST if end >= len(data) else _MORE, view[start:end]]
         if start == 0 and fds:
-            socket.send_fds(sock, [packet], list(fds))
+            socket.send_fds(sock, packet, list(fds))
         else:
-            sock.sendall(packet)
+            sock.sendmsg(packet)
 
 
 def receive_to_device(sock: socket.socket) -> tuple[ToDevice, list[int]] | None:
     """The next message from a worker and the descriptors that came with it; None when the worker closed the
     connection. ``OSError`` on a broken one, ``WireError`` on a message of the wrong shape."""
-    received = _receive(sock)
+    received = _receive(sock, _with_fds)
     if received is None:
         return None
     data, fds = received
     return _decoded(_TO_DEVICE, data), fds
 
 
+def receive_call(sock: socket.socket) -> ToDevice | None:
+    """The next message from a worker on a link that sends no more descriptors (past its first message)."""
+    received = _receive(sock, _without_fds)
+    return None if received is None else _decoded(_TO_DEVICE, received[0])
+
+
 def receive_to_worker(sock: socket.socket) -> ToWorker | None:
     """The next message from the device process; None when it closed the connection."""
-    received = _receive(sock)
+    received = _receive(sock, _without_fds)
     return None if received is None else _decoded(_TO_WORKER, received[0])
 
 
-def _decoded(decoder: msgspec.msgpack.Decoder[_Message], data: bytes) -> _Message:
+def _decoded(decoder: msgspec.msgpack.Decoder[_Message], data: bytes | memoryview) -> _Message:
     try:
         return decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise WireError(f"a message of the wrong shape on the device link: {exc}") from exc
 
 
-def _receive(sock: socket.socket) -> tuple[bytes, list[int]] | None:
-    parts, fds = [], []
-    while True:
-        packet, more_fds, _flags, _address = socket.recv_fds(sock, FRAGMENT_BYTES + 1, 1)
-        fds += more_fds
-        if not packet:
-            return None
+def _with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    packet, fds, _flags, _address = socket.recv_fds(sock, FRAGMENT_BYTES + 1, 1)
+    return packet, fds
+
+
+def _without_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    return sock.recv(FRAGMENT_BYTES + 1), []
+
+
+def _receive(sock: socket.socket, packets: Callable[[socket.socket], tuple[bytes, list[int]]]
+             ) -> tuple[bytes | memoryview, list[int]] | None:
+    """One message's packets joined (a message of one packet is a view of it: not copied), and their
+    descriptors."""
+    packet, fds = packets(sock)
+    if packet[:1] == _LAST:
+        return memoryview(packet)[1:], fds
+    parts = []
+    while packet:
         parts.append(packet[1:])
         if packet[:1] == _LAST:
             return b"".join(parts), fds
+        packet, more_fds = packets(sock)
+        fds += more_fds
+    return None

@@ -22,7 +22,8 @@ embedded Tansu, or Apache Kafka):
   speed, with ``serve --workers 2`` (a supervisor and two worker processes; the sim's device is one for both).
 
 Reported for each: messages per second; CPU time per message (the contender's processes' user + system time over
-the drain, librdkafka's threads and a supervisor's workers included), and the broker's beside it (the embedded
+the drain, librdkafka's threads and a supervisor's device process and workers included, each kind's share beside the
+total: ``cpu_by_role``), and the broker's beside it (the embedded
 broker is a child process of the drain); where the time goes (a py-spy sampling profile of the contender,
 its active samples summarised per stage, as thread-microseconds per message, and the stages summed into the parts
 of a message's way, ``PARTS``: the per-stage table); and for ``sim`` the simulated device's busy fraction. Kafka
@@ -67,7 +68,7 @@ from kinference.loadgen.bench.baselines import CommittingRelay, LoopThread
 from kinference.loadgen.bench.ceiling import CUT, measure_ceiling
 from kinference.loadgen.bench.command import parse_options
 from kinference.loadgen.bench.contender import READY_TIMEOUT_S, Serve, Topics, contender, ready_or_fail, setup_logging
-from kinference.loadgen.bench.machine import process_cpu_s, process_tree_cpu_s
+from kinference.loadgen.bench.machine import process_cpu_s, process_role, process_tree_cpu
 from kinference.loadgen.bench.outputs import add_report_arguments, write_reports
 from kinference.loadgen.bench.serve import SERVE_KAFKA, serve_kinference, serve_loop
 from kinference.loadgen.corpus import PROFILES, builtin_corpus
@@ -196,9 +197,22 @@ class Supervised:
 
 def workers_drain(name: str, about: str, run: Supervised, topics: Topics, requests: int) -> Drain:
     """A supervised contender: ``serve --workers 2`` (the ``-2-workers`` ones), or with a device process (the
-    ``-device`` ones)."""
+    ``-device`` ones). Its backlog waits for it, as every other contender's does, unless several workers may join
+    (``Drain.backlog_after_ready``): a backlog produced while a contender drains comes in small fetches, which cost
+    more per message (5 µs of a worker's ~70 on this project's 2-core machine), so that a contender timed that way is
+    not compared on the same terms."""
     return Drain(name, about, partial(_serve_workers, run), f"bench-{topics['requests']}", requests,
-                 backlog_after_ready=True)
+                 backlog_after_ready=most_workers(run) > 1)
+
+
+def most_workers(run: Supervised) -> int:
+    """The most worker processes ``run`` can have on this host: ``--workers auto`` with a device process is sized by
+    its calibration within ``worker_cap``, and without one is a single process."""
+    from kinference.consumer.accelerator.calibration import worker_cap
+
+    if run.workers is not None:
+        return run.workers
+    return worker_cap(run.devices) if run.devices else 1
 
 
 def _committing_relay(bootstrap_servers: str, topic: str) -> LoopThread:
@@ -339,20 +353,23 @@ class Run:
         self._step(f"{drain.name}: starting its process and draining")
         with contender(f"drain-{drain.name}", drain.serve, self.bootstrap, topics) as running:
             started = time.monotonic()
-            cpu_before, broker_before = process_tree_cpu_s(running.pid), process_cpu_s(self.broker_pid)
+            cpu_before, broker_before = process_tree_cpu(running.pid), process_cpu_s(self.broker_pid)
             keep = options.profiles_dir / f"{drain.name}.txt" if options.profiles_dir else None
             with profiling(running.pid, options.profile, keep) as profile:
                 if drain.backlog_after_ready:
                     ends = self._backlog(drain, topics)
                 finished = wait_committed(self.bootstrap, drain.group, ends, options.timeout_s)
-                cpu_after, broker_after = process_tree_cpu_s(running.pid), process_cpu_s(self.broker_pid)
+                cpu_after, broker_after = process_tree_cpu(running.pid), process_cpu_s(self.broker_pid)
+                by_role = cpu_by_role(cpu_before, cpu_after)  # while its processes live to say what they are
         if drain.backlog_after_ready and self.ingest_us_per_msg is not None:
             broker_after -= self.ingest_us_per_msg * drain.requests / 1e6
         elapsed = finished - started
         row: dict[str, Any] = {
             "contender": drain.name, "about": drain.about, "requests": drain.requests,
             "seconds": round(elapsed, 3), "msgs_per_s": round(drain.requests / elapsed, 1),
-            "cpu_us_per_msg": round((cpu_after - cpu_before) / drain.requests * 1e6, 1),
+            "cpu_us_per_msg": round(sum(by_role.values()) / drain.requests * 1e6, 1),
+            "cpu_us_per_msg_by_process": {role: round(cpu_s / drain.requests * 1e6, 1)
+                                          for role, cpu_s in by_role.items()},
             # Less the ingest estimate, a JVM broker's CPU (JIT, GC) can read below it: never below 0.
             "broker_cpu_us_per_msg": round(max(0.0, broker_after - broker_before) / drain.requests * 1e6, 1),
             "profile": profile.summary(drain.requests), "extra": dict(drain.extra)}
@@ -362,11 +379,12 @@ class Run:
             row["device_busy"] = round(min(1.0, busy / elapsed), 3)
             # What the simulated device could do alone at the batches it got: items per busy second.
             row["extra"]["device_capacity_per_s"] = round(drain.requests / busy, 1) if busy else None
+            row["extra"]["device_batch_rows"] = round(drain.requests / calls, 1)  # the device's mean batch
         if self.ingest_us_per_msg is not None:
             row["extra"]["broker_ingest_us_per_msg"] = round(self.ingest_us_per_msg, 1)
         elif drain.backlog_after_ready:
             row["extra"]["broker_cpu_includes_ingest"] = True  # no backlog was produced alone to measure it on
-        self._step(f"{drain.name}: {row['msgs_per_s']:,.0f} msg/s, {row['cpu_us_per_msg']:g} us CPU/msg "
+        self._step(f"{drain.name}: {row['msgs_per_s']:,.0f} msg/s, {_cpu(row)} us CPU/msg "
                    f"(broker {_broker(row)})"
                    + (f", device busy {row['device_busy']:.0%}" if "device_busy" in row else ""))
         return row
@@ -392,6 +410,15 @@ class Run:
 
     def _step(self, text: str) -> None:
         self.console.print(f"[dim]{time.monotonic() - self.began:6.1f} s[/dim]  {text}")
+
+
+def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """CPU seconds each kind of the contender's processes (``process_role``) spent between two readings of its
+    process tree: a process that started in between counts whole, as all it did was in the window."""
+    spent: Counter[str] = Counter()
+    for pid, cpu_s in after.items():
+        spent[process_role(pid)] += cpu_s - before.get(pid, 0.0)
+    return dict(spent)
 
 
 def produce_backlog(bootstrap: str, topics: Topics, partitions: int, count: int,
@@ -468,6 +495,16 @@ STAGES: tuple[tuple[str, str, frozenset[str] | None], ...] = (
     # cannot always tell).
     (WAITING, "threading.py", frozenset({"wait", "acquire"})),
     (WAITING, "queue.py", frozenset({"get", "put"})),
+    # A device link's thread blocked on its socket (the other process's turn), and the simulated device's wait (a
+    # sleep, as a GPU's synchronise): py-spy's --nonblocking samples take both for work.
+    (WAITING, "consumer/accelerator/wire.py", frozenset({"_receive", "_with_fds", "_without_fds"})),
+    ("inference", "handlers/sim.py", frozenset({"queue", "_locked", "_read"})),
+    (WAITING, "handlers/sim.py", frozenset({"forward_rows"})),
+    ("device link", "consumer/accelerator/arena.py", None),
+    ("device link", "consumer/accelerator/wire.py", None),
+    ("device link", "consumer/accelerator/worker_link.py", None),
+    ("device link", "consumer/accelerator/device_server.py", frozenset({
+        "send", "answer", "_send", "_serve_batches", "_call", "_run_while_free", "_take", "_run_batch", "observe"})),
     ("poll: tokenise", "handlers/text.py",
      frozenset({"validate", "validate_many", "tokenize", "_item", "_cut", "cost"})),
     ("poll: admission", "consumer/path/admission.py", None),
@@ -514,11 +551,12 @@ PART_OF: dict[str, str] = {
     "poll: track": "delivery/ledger",
     "publish: delivery reports": "delivery/ledger",
     "commit": "commit",
+    "device link": "device link",
 }
 """Each stage's part of a message's way (issue 38's per-stage table); the rest (the poll loop's own turn, the lag
 reader, the relay's loop, frames of no stage) is ``other``."""
-PARTS = ("consume", "decode", "admission/tokenise", "batcher", "stages", "inference", "reply encoding", "produce",
-         "delivery/ledger", "commit", "other")
+PARTS = ("consume", "decode", "admission/tokenise", "batcher", "stages", "inference", "device link", "reply encoding",
+         "produce", "delivery/ledger", "commit", "other")
 
 
 def parts(us_per_stage: dict[str, float]) -> dict[str, float]:
@@ -661,7 +699,7 @@ def drain_table(report: dict[str, Any]) -> Table:
         stages = row["profile"].get("us_per_msg", {})
         top = ", ".join(f"{stage} {us:g}" for stage, us in list(stages.items())[:4]) or row["profile"].get("note", "")
         table.add_row(row["contender"], f"{row['requests']:,}", f"{row['msgs_per_s']:,.0f}",
-                      f"{row['cpu_us_per_msg']:g}", _broker(row),
+                      _cpu(row), _broker(row),
                       f"{row['device_busy']:.0%}" if "device_busy" in row else "", top)
     return table
 
@@ -696,7 +734,7 @@ def markdown(report: dict[str, Any]) -> str:
         top = ", ".join(f"{stage} {us:g}" for stage, us in list(stages.items())[:6]) or row["profile"].get("note", "")
         busy = f"{row['device_busy']:.0%}" if "device_busy" in row else ""
         lines.append(f"| {row['contender']} | {row['requests']:,} | {row['msgs_per_s']:,.0f} "
-                     f"| {row['cpu_us_per_msg']:g} | {_broker(row)} | {busy} | {top} |")
+                     f"| {_cpu(row)} | {_broker(row)} | {busy} | {top} |")
     ceiling = report.get("embedding_ceiling")
     if ceiling:
         lines += ["", f"In-process length-grouped ceiling of the embedding handler: {ceiling['best_items_per_s']:,.0f} "
@@ -712,6 +750,15 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "| target | value | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in report["targets"]]
     return "\n".join(lines) + "\n"
+
+
+def _cpu(row: dict[str, Any]) -> str:
+    """The CPU per message, and each kind of process's share where the contender has several (a supervisor, its
+    device process and its workers)."""
+    shares = row.get("cpu_us_per_msg_by_process", {})
+    if len(shares) < 2:
+        return f"{row['cpu_us_per_msg']:g}"
+    return f"{row['cpu_us_per_msg']:g} ({', '.join(f'{role} {us:g}' for role, us in sorted(shares.items()))})"
 
 
 def _broker(row: dict[str, Any]) -> str:

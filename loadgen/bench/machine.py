@@ -46,6 +46,11 @@ def process_cpu_s(pid: int) -> float:
 
 def process_tree_cpu_s(pid: int) -> float:
     """``process_cpu_s`` of ``pid`` and of every live process descending from it (a supervisor's workers)."""
+    return sum(process_tree_cpu(pid).values())
+
+
+def process_tree_cpu(pid: int) -> dict[int, float]:
+    """``process_cpu_s`` of ``pid`` and of every live process descending from it, by process id."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -53,13 +58,25 @@ def process_tree_cpu_s(pid: int) -> float:
         except (OSError, IndexError, ValueError):
             continue  # it ended meanwhile
         children.setdefault(parent, []).append(int(stat.parent.name))
-    total, todo = 0.0, [pid]
+    cpu, todo = {}, [pid]
     while todo:
         current = todo.pop()
         with contextlib.suppress(OSError):
-            total += process_cpu_s(current)
+            cpu[current] = process_cpu_s(current)
         todo += children.get(current, [])
-    return total
+    return cpu
+
+
+def process_role(pid: int) -> str:
+    """What a contender's process is, from its command line: ``device`` (a device process), ``worker``, or
+    ``main`` (the contender's own process: a service, or a supervisor); ``gone`` once it has ended."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "gone"
+    if b"--device-index" in argv:
+        return "device"
+    return "worker" if b"--worker-report" in argv else "main"
 
 
 def machine_cpu_s() -> float:

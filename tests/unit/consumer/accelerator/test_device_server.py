@@ -3,6 +3,7 @@ several worker threads into one device batch, and the link that survives a resta
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -48,6 +49,22 @@ def test_the_arena_carries_tensors_and_arrays_in_place_and_the_rest_pickled() ->
         arena.close()
 
 
+def test_the_arena_carries_every_dtype_and_its_pickle_reads_only_through_the_arena() -> None:
+    arena = Arena(1 << 20)
+    try:
+        value = {"half": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "flags": torch.tensor([True, False]),
+                 "strided": torch.arange(12).reshape(3, 4)[:, 1], "array": np.arange(6, dtype=np.float16)[::2]}
+        meta = arena.write_inputs(value)
+        read = arena.read_outputs(arena.write_outputs(value))
+        for name in ("half", "flags", "strided"):
+            assert read[name].dtype == value[name].dtype and torch.equal(read[name], value[name])
+        assert read["array"].tolist() == [0.0, 2.0, 4.0]
+        with pytest.raises(pickle.UnpicklingError, match="read by Arena"):
+            pickle.loads(meta)  # the tensors are not in it: only the arena's reader resolves them
+    finally:
+        arena.close()
+
+
 def test_a_micro_batch_larger_than_the_arena_fails_saying_what_to_raise() -> None:
     arena = Arena(4096)
     try:
@@ -66,6 +83,18 @@ def _handler(model: Path, role: str, **options: Any) -> TextClassificationHandle
     handler = TextClassificationHandler()
     handler.setup(HandlerContext(device="cpu", model=model, options=options, max_batch_size=64, role=role))
     return handler
+
+
+def test_one_micro_batch_already_of_the_device_shape_is_its_batch_as_it_is(tiny: Path) -> None:
+    host, device = _handler(tiny, "host"), _handler(tiny, "device")
+    batch = host.preprocess(host.validate_many([{"text": text} for text in varied_texts(5, max_words=20)]))
+    merged = device.merge([batch])
+    assert merged.real_rows == 5 and merged.tensors.keys() == batch.tensors.keys()
+    assert all(merged.tensors[name].data_ptr() == tensor.data_ptr() for name, tensor in batch.tensors.items())
+    # Shape buckets pad it to a bucket: then it is copied into the larger batch, its rows first.
+    bucketed = _handler(tiny, "device", shape_buckets=True).merge([batch])
+    ids, length = bucketed.tensors["input_ids"], batch.tensors["input_ids"].shape[1]
+    assert ids.shape[0] > 5 and torch.equal(ids[:5, :length], batch.tensors["input_ids"])
 
 
 def test_the_host_side_loads_no_weights_and_the_merged_batch_gives_the_in_process_results(tiny: Path) -> None:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
+
+from kinference.consumer.accelerator.calibration import worker_cap
+from kinference.loadgen.bench import drain
 from kinference.loadgen.bench.drain import (
     PARTS,
     Profile,
+    Supervised,
+    cpu_by_role,
     evaluate_targets,
     markdown,
+    most_workers,
     parts,
     read_raw_profile,
     sim_name,
@@ -39,6 +46,35 @@ def test_a_sample_goes_to_its_innermost_known_stage():
     assert stage_of(publisher.split(";")) == "publish: delivery reports"  # librdkafka serving them, in poll()
     assert stage_of(f"{publisher};Publisher._send (consumer/delivery/publisher.py:374)".split(";")) \
         == "publish: produce"
+
+
+def test_a_device_link_waits_for_the_other_process_and_its_own_work_is_its_part():
+    call = (f"{ROOT};Pipeline._inference (consumer/path/stages.py:305);DeviceInference.infer "
+            "(consumer/accelerator/worker_link.py:98);DeviceLink.infer (consumer/accelerator/worker_link.py:72)")
+    assert stage_of(f"{call};_receive (consumer/accelerator/wire.py:160)".split(";")) == "waiting"
+    assert stage_of(f"{call};_receive (consumer/accelerator/wire.py:160);_without_fds (consumer/accelerator/wire.py:"
+                    "155)".split(";")) == "waiting"
+    assert stage_of(f"{call};Arena.write_inputs (consumer/accelerator/arena.py:60)".split(";")) == "device link"
+    batch = (f"{ROOT};DeviceServer._run_batch (consumer/accelerator/device_server.py:330);DeviceServer._infer "
+             "(consumer/accelerator/device_server.py:350);TextHandler.inference (handlers/text.py:461)")
+    assert stage_of(f"{batch};SimulatedAccelerator.forward_rows (handlers/sim.py:71)".split(";")) == "waiting"
+    assert stage_of(f"{batch};SimulatedAccelerator.forward_rows (handlers/sim.py:71);SharedDevice.queue "
+                    "(handlers/sim.py:130)".split(";")) == "inference"
+    assert stage_of(f"{batch};TextHandler.merge (handlers/text.py:420)".split(";")) == "device link"
+    assert parts({"device link": 2.5})["device link"] == 2.5
+
+
+def test_each_kind_of_process_is_charged_what_it_spent_in_the_window(monkeypatch: pytest.MonkeyPatch):
+    before = {1: 10.0, 2: 5.0}
+    after = {1: 10.5, 2: 6.0, 3: 0.25}  # 3 started in the window: all it spent was in it
+    monkeypatch.setattr(drain, "process_role", {1: "main", 2: "device", 3: "worker"}.__getitem__)
+    assert cpu_by_role(before, after) == {"main": 0.5, "device": 1.0, "worker": 0.25}
+
+
+def test_a_backlog_waits_for_a_contender_of_one_worker_only():
+    assert most_workers(Supervised("sim", workers=2, devices=1)) == 2
+    assert most_workers(Supervised("echo", workers=None, devices=0)) == 1
+    assert most_workers(Supervised("sim", workers=None, devices=1)) == worker_cap(1)
 
 
 def test_a_profile_sums_samples_per_stage_and_leaves_waiting_out():
