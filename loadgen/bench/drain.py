@@ -415,10 +415,11 @@ class Run:
 def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
     """CPU seconds each kind of the contender's processes (``process_role``) spent between two readings of its
     process tree: a process that started in between counts whole, as all it did was in the window."""
-    spent: Counter[str] = Counter()
+    spent: dict[str, float] = {}
     for pid, cpu_s in after.items():
-        spent[process_role(pid)] += cpu_s - before.get(pid, 0.0)
-    return dict(spent)
+        role = process_role(pid)
+        spent[role] = spent.get(role, 0.0) + cpu_s - before.get(pid, 0.0)
+    return spent
 
 
 def produce_backlog(bootstrap: str, topics: Topics, partitions: int, count: int,
