@@ -208,3 +208,50 @@ def test_a_circle_between_parts_is_found_where_no_two_modules_form_one(tmp_path)
 def test_a_module_on_no_floor_is_named(tmp_path):
     with pytest.raises(LookupError, match=r"attic\.old is on no floor"):
         part_of("attic.old")
+
+
+REQUEST_WRITERS = {"path.request", "path.runner", "path.admission", "path.batcher", "path.pools", "path.stages",
+                   "path.results", "path.generations"}
+"""Issue 37: the modules that may write a ``Request``: its decoder, and the two runners (a batch model's admission,
+batcher and stages; a generative model's ``generations``). Every other step reads it, and says what it found as a
+value of its own (the delivery's outcome, ``answers.Delivery.error``; the byte budget's own count)."""
+
+
+def _a_request(node: ast.expr) -> bool:
+    """By this codebase's naming: a ``Request`` is held in a name that says so (``request``, ``requests[0]``,
+    ``micro_batch.requests[i]``); other objects with fields of the same names (a ``Delivery``'s ``error``) are not."""
+    return "request" in ast.unparse(node).lower()
+
+
+def request_writes(file: Path, fields: set[str]) -> list[str]:
+    """Where ``file`` assigns a ``Request`` field (``request.payload = ...``), or calls ``fail`` on a request
+    (``request.fail(...)``, ``requests[0].fail(...)``): ``line: source``."""
+    source = file.read_text()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            flat = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            written = [t for t in flat if isinstance(t, ast.Attribute) and t.attr in fields and _a_request(t.value)]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fail" \
+                and _a_request(node.func.value):
+            written = [node.func]
+        else:
+            continue
+        found += [f"{t.lineno}: {ast.get_source_segment(source, t)}" for t in written]
+    return found
+
+
+def test_nothing_outside_the_decoder_and_the_runners_writes_a_request():
+    from dataclasses import fields
+
+    from kinference.consumer.ledger.request import Request
+
+    names = {field.name for field in fields(Request)}
+    files = module_files()
+    assert set(files) >= REQUEST_WRITERS, sorted(REQUEST_WRITERS - set(files))
+    writes = {name: found for name, file in files.items() if name not in REQUEST_WRITERS
+              and (found := request_writes(file, names))}
+    assert not writes, f"Request written outside its decoder and runners: {writes}"
+    # The check sees what it is for: the decoder and the stages do write requests.
+    assert request_writes(files["path.request"], names) and request_writes(files["path.stages"], names)
