@@ -255,8 +255,9 @@ class Publisher:
 
     def submit(self, requests: list[Request]) -> None:
         """Queue finished requests (results or errors), from the stages or answered at once; the byte budget gives
-        back what it charged for them (their runner has let their decoded values go). The queue holds everything in flight, so this only waits if the publisher fell behind; it
-        raises ``PublisherDown`` rather than wait for a dead thread."""
+        back what it charged for them (their runner has let their decoded values go). The queue holds everything in
+        flight, so this only waits if the publisher fell behind; it raises ``PublisherDown`` rather than wait for a
+        dead thread."""
         self.budget.release(requests)
         self._put(partial(self._take_finished, requests))
 
