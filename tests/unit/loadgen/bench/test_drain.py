@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kinference.consumer.accelerator.calibration import worker_cap
 from kinference.loadgen.bench import drain
 from kinference.loadgen.bench.drain import (
     PARTS,
     Profile,
-    Supervised,
     cpu_by_role,
     evaluate_targets,
     markdown,
-    most_workers,
     parts,
     read_raw_profile,
     sim_name,
@@ -69,12 +66,6 @@ def test_each_kind_of_process_is_charged_what_it_spent_in_the_window(monkeypatch
     after = {1: 10.5, 2: 6.0, 3: 0.25}  # 3 started in the window: all it spent was in it
     monkeypatch.setattr(drain, "process_role", {1: "main", 2: "device", 3: "worker"}.__getitem__)
     assert cpu_by_role(before, after) == {"main": 0.5, "device": 1.0, "worker": 0.25}
-
-
-def test_a_backlog_waits_for_a_contender_of_one_worker_only():
-    assert most_workers(Supervised("sim", workers=2, devices=1)) == 2
-    assert most_workers(Supervised("echo", workers=None, devices=0)) == 1
-    assert most_workers(Supervised("sim", workers=None, devices=1)) == worker_cap(1)
 
 
 def test_a_profile_sums_samples_per_stage_and_leaves_waiting_out():
