@@ -155,7 +155,8 @@ class TextBatch:
 
 
 def _shaped(batch: TextBatch, shape: tuple[int, int], pads: dict[str, int]) -> bool:
-    """``batch`` is already a device batch of ``shape``: the tensors ``pads`` names, every row real."""
+    """``batch`` is already a device batch of ``shape`` with the tensors ``pads`` names: as the merge would build it,
+    since the worker's collation padded it with the same pads on the same side."""
     return batch.tensors.keys() == pads.keys() and all(tuple(tensor.shape) == shape
                                                        for tensor in batch.tensors.values())
 
